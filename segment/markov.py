@@ -1,0 +1,747 @@
+"""Attention as a discrete-time Markov chain: the math at the heart of ``segment``.
+
+A softmax attention matrix ``A`` of shape ``(..., N, N)`` has non-negative entries and rows
+that sum to one, so row ``i`` is the distribution of where token ``i`` sends its attention:
+``A`` is the transition matrix of a Markov chain over tokens (protocol §1).
+
+Every function here is a pure function of tensors:
+
+* batch dimensions lead (``...``) and are kept in the outputs;
+* fp16 / bf16 inputs are computed in fp32, float64 inputs stay float64 (references);
+* the same code runs on CPU and CUDA (the device of the input is used);
+* bad input (NaN/inf, negative entries, zero rows, non-square matrices, ``alpha`` outside
+  ``(0, 1]``) raises a :class:`ValueError` that names the problem, never a silent NaN.
+
+Shape letters: ``N`` tokens, ``H`` heads, ``S`` start distributions, ``K`` steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "BounceResult",
+    "Lambda2Result",
+    "TokenRankResult",
+    "bounce",
+    "compute_dtype",
+    "damp",
+    "fuse_heads",
+    "head_weights",
+    "lambda2",
+    "lambda2_dense",
+    "reverse_chain",
+    "strip_prefix",
+    "tokenrank",
+    "validate_alpha",
+    "validate_stochastic",
+]
+
+
+# --------------------------------------------------------------------------------------
+# validation and small helpers
+# --------------------------------------------------------------------------------------
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the chain math runs in: float64 stays float64, everything else is fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _as_compute(x: Tensor) -> Tensor:
+    return x.to(compute_dtype(x.dtype)) if x.is_floating_point() else x.float()
+
+
+def validate_alpha(alpha: float) -> float:
+    """Checks that a damping factor lies in ``(0, 1]``.
+
+    Raises:
+        ValueError: if ``alpha`` is not a finite number in ``(0, 1]``.
+    """
+    try:
+        a = float(alpha)
+    except (TypeError, ValueError):
+        raise ValueError(f"alpha must be a number in (0, 1], got {alpha!r}") from None
+    if not (0.0 < a <= 1.0) or math.isnan(a):
+        raise ValueError(f"alpha must lie in (0, 1] (damping factor), got {alpha!r}")
+    return a
+
+
+def validate_stochastic(
+    attn: Tensor,
+    *,
+    atol: float = 1e-3,
+    name: str = "attention",
+    check_rows: bool = True,
+) -> None:
+    """Checks that ``attn`` is a batch of row-stochastic square matrices.
+
+    Args:
+        attn: ``(..., N, N)`` transition matrices.
+        atol: tolerance on ``|row sum - 1|``. Attention in fp16/bf16 needs a loose one.
+        name: what to call the tensor in error messages.
+        check_rows: also check that rows sum to one (not only non-negative and finite).
+
+    Raises:
+        ValueError: naming the first problem found: wrong rank, non-square (cross)
+            attention, NaN/inf, negative entries, rows summing to zero (masked tokens), or
+            rows that do not sum to one.
+    """
+    if not isinstance(attn, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(attn).__name__}")
+    if attn.dim() < 2:
+        raise ValueError(f"{name} must have shape (..., N, N), got {tuple(attn.shape)}")
+    n_rows, n_cols = attn.shape[-2:]
+    if n_rows != n_cols:
+        raise ValueError(
+            f"{name} must be square (..., N, N) to be a Markov chain; got {n_rows} x {n_cols}"
+            " (cross attention between two token sets is not a chain over one set)"
+        )
+    if n_rows == 0:
+        raise ValueError(f"{name} has no tokens (N = 0)")
+    if not attn.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {attn.dtype}")
+    # two passes over the data: row sums (NaN/+inf propagate into them) and the minimum
+    sums = attn.sum(-1, dtype=compute_dtype(attn.dtype))
+    lowest = attn.amin()
+    if not bool(torch.isfinite(sums).all()) or not bool(torch.isfinite(lowest)):
+        bad = int((~torch.isfinite(attn)).sum())
+        raise ValueError(f"{name} contains {bad} NaN/inf entries")
+    if lowest < 0:
+        raise ValueError(
+            f"{name} has negative entries (min {lowest.item():.3g}); a transition matrix"
+            " must be non-negative (pass softmax probabilities, not logits)"
+        )
+    if check_rows:
+        zero = sums <= 0
+        if bool(zero.any()):
+            raise ValueError(
+                f"{name} has {int(zero.sum())} rows that sum to 0 (masked or removed tokens);"
+                " renormalise them (strip_prefix(..., zero_rows='uniform')) or drop those tokens"
+            )
+        err = (sums - 1).abs().max().item()
+        if err > atol:
+            raise ValueError(
+                f"{name} rows must sum to 1 (row-stochastic); the largest deviation is"
+                f" {err:.3g} > atol={atol:g}"
+            )
+
+
+def _check_square(attn: Tensor, name: str = "attention") -> None:
+    if attn.dim() < 2 or attn.shape[-1] != attn.shape[-2]:
+        raise ValueError(
+            f"{name} must have shape (..., N, N); got {tuple(attn.shape)}"
+        )
+
+
+def _row_normalise(x: Tensor, zero_rows: str, name: str) -> Tensor:
+    sums = x.sum(-1, keepdim=True)
+    zero = sums <= 0
+    if bool(zero.any()):
+        if zero_rows == "error":
+            raise ValueError(
+                f"{name}: {int(zero.sum())} rows have no mass left after normalisation"
+                " (they attended only to removed tokens); pass zero_rows='uniform' to"
+                " replace them by the uniform distribution"
+            )
+        if zero_rows != "uniform":
+            raise ValueError(f"zero_rows must be 'error' or 'uniform', got {zero_rows!r}")
+        n = x.shape[-1]
+        x = torch.where(zero, torch.full_like(x, 1.0 / n), x)
+        sums = torch.where(zero, torch.ones_like(sums), sums)
+    return x / sums
+
+
+def strip_prefix(
+    attn: Tensor,
+    num_prefix: int,
+    *,
+    zero_rows: Literal["error", "uniform"] = "error",
+) -> Tensor:
+    """Removes prefix tokens (CLS, registers, text) and renormalises the rows.
+
+    Args:
+        attn: ``(..., N, N)`` attention over ``[prefix; rest]``.
+        num_prefix: number of leading tokens to remove (``0 <= num_prefix < N``).
+        zero_rows: what to do with rows that put all their mass on the prefix:
+            ``"error"`` raises, ``"uniform"`` replaces them by the uniform distribution.
+
+    Returns:
+        ``(..., N - num_prefix, N - num_prefix)`` row-stochastic chain over the remaining
+        tokens, in the compute dtype.
+    """
+    _check_square(attn)
+    n = attn.shape[-1]
+    if not (0 <= int(num_prefix) < n):
+        raise ValueError(f"num_prefix must be in [0, {n}), got {num_prefix}")
+    sub = _as_compute(attn[..., num_prefix:, num_prefix:])
+    return _row_normalise(sub, zero_rows, "strip_prefix")
+
+
+def reverse_chain(attn: Tensor, *, zero_rows: Literal["error", "uniform"] = "error") -> Tensor:
+    """The source ("outgoing") direction: the column-normalised transpose.
+
+    ``S[i, j] = A[j, i] / sum_k A[k, i]``: row ``i`` of ``S`` says which tokens the attention
+    that token ``i`` receives comes from.
+
+    Args:
+        attn: ``(..., N, N)`` row-stochastic attention.
+        zero_rows: tokens that receive no attention at all give zero rows in ``S``;
+            ``"error"`` raises, ``"uniform"`` replaces them by the uniform distribution.
+
+    Returns:
+        ``(..., N, N)`` row-stochastic chain.
+    """
+    _check_square(attn)
+    return _row_normalise(_as_compute(attn).transpose(-1, -2), zero_rows, "reverse_chain")
+
+
+def damp(attn: Tensor, alpha: float = 0.99, personalization: Tensor | None = None) -> Tensor:
+    """The damped (PageRank-corrected) chain ``T = alpha * A + (1 - alpha) * 1 e^T``.
+
+    Args:
+        attn: ``(..., N, N)`` row-stochastic attention.
+        alpha: damping factor in ``(0, 1]``; ``1`` returns ``A`` unchanged.
+        personalization: ``(..., N)`` teleport distribution ``e`` (non-negative, normalised
+            here); ``None`` means uniform ``1/N``.
+
+    Returns:
+        ``(..., N, N)`` irreducible, aperiodic row-stochastic chain (for ``alpha < 1``).
+    """
+    a = validate_alpha(alpha)
+    validate_stochastic(attn)
+    x = _as_compute(attn)
+    e = _teleport(x, personalization)
+    return a * x + (1 - a) * e.unsqueeze(-2)
+
+
+def _teleport(x: Tensor, personalization: Tensor | None) -> Tensor:
+    """``(..., N)`` teleport distribution matching the chain ``x`` (``(M..., N, N)``)."""
+    n = x.shape[-1]
+    if personalization is None:
+        return torch.full(x.shape[:-1], 1.0 / n, dtype=x.dtype, device=x.device)
+    e = _as_compute(personalization).to(device=x.device, dtype=x.dtype)
+    if e.shape[-1] != n:
+        raise ValueError(f"personalization must have shape (..., {n}), got {tuple(e.shape)}")
+    if not bool(torch.isfinite(e).all()) or bool((e < 0).any()):
+        raise ValueError("personalization must be finite and non-negative")
+    s = e.sum(-1, keepdim=True)
+    if bool((s <= 0).any()):
+        raise ValueError("personalization must have positive mass")
+    return torch.broadcast_to(e / s, x.shape[:-1])
+
+
+# --------------------------------------------------------------------------------------
+# TokenRank
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenRankResult:
+    """Stationary distribution of the damped chain and how the iteration went.
+
+    Attributes:
+        pi: ``(..., N)`` stationary distribution (sums to 1).
+        iterations: ``(...)`` power steps used by each batch element.
+        residual: ``(...)`` final L1 change ``|pi_k - pi_{k-1}|_1``.
+        converged: ``(...)`` whether the residual fell below ``tol``.
+    """
+
+    pi: Tensor
+    iterations: Tensor
+    residual: Tensor
+    converged: Tensor
+
+
+def tokenrank(
+    attn: Tensor,
+    alpha: float = 0.99,
+    tol: float = 1e-6,
+    max_iter: int = 200,
+    personalization: Tensor | None = None,
+    *,
+    direction: Literal["incoming", "outgoing"] = "incoming",
+    return_info: bool = False,
+) -> Tensor | TokenRankResult:
+    """TokenRank: the stationary distribution ``pi^T T = pi^T`` of the damped chain.
+
+    Batched power iteration from the uniform vector, ``pi <- alpha * pi A + (1 - alpha) e``,
+    renormalised each step; each batch element stops as soon as its L1 change falls below
+    ``tol`` (the others go on). The damped matrix is never formed.
+
+    Args:
+        attn: ``(..., N, N)`` row-stochastic attention.
+        alpha: damping factor in ``(0, 1]`` (reference 0.99; classic PageRank 0.85).
+        tol: L1 convergence threshold per batch element.
+        max_iter: maximum number of power steps.
+        personalization: ``(..., N)`` teleport distribution (default uniform).
+        direction: ``"incoming"`` (sink view: who receives attention in the long run) or
+            ``"outgoing"`` (source view: the same on :func:`reverse_chain`).
+        return_info: also return iterations, residuals and convergence flags.
+
+    Returns:
+        ``(..., N)`` stationary distribution, or a :class:`TokenRankResult`.
+    """
+    a = validate_alpha(alpha)
+    if max_iter < 1:
+        raise ValueError(f"max_iter must be >= 1, got {max_iter}")
+    validate_stochastic(attn)
+    x = _as_compute(attn)
+    if direction == "outgoing":
+        x = reverse_chain(x)
+    elif direction != "incoming":
+        raise ValueError(f"direction must be 'incoming' or 'outgoing', got {direction!r}")
+    batch, n = x.shape[:-2], x.shape[-1]
+    flat = x.reshape(-1, n, n)
+    m = flat.shape[0]
+    e = _teleport(x, personalization).reshape(m, n)
+
+    pi = torch.full((m, n), 1.0 / n, dtype=x.dtype, device=x.device)
+    iters = torch.zeros(m, dtype=torch.long, device=x.device)
+    resid = torch.full((m,), float("inf"), dtype=x.dtype, device=x.device)
+    active = torch.arange(m, device=x.device)
+    mats, tele = flat, e
+    for it in range(1, max_iter + 1):
+        cur = pi[active]
+        new = a * torch.bmm(cur.unsqueeze(1), mats).squeeze(1) + (1 - a) * tele
+        new = new / new.sum(-1, keepdim=True)
+        change = (new - cur).abs().sum(-1)
+        pi[active] = new
+        resid[active] = change
+        iters[active] = it
+        still = change >= tol
+        if not bool(still.any()):
+            break
+        if not bool(still.all()):
+            active, mats, tele = active[still], mats[still], tele[still]
+    pi = pi.reshape(*batch, n)
+    if not return_info:
+        return pi
+    return TokenRankResult(
+        pi=pi,
+        iterations=iters.reshape(batch),
+        residual=resid.reshape(batch),
+        converged=(resid < tol).reshape(batch),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# multi-bounce propagation
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class BounceResult:
+    """Every intermediate distribution of a multi-bounce propagation.
+
+    Attributes:
+        steps: ``(..., S, K, N)`` ``v_1 .. v_K`` for each start (``S`` dropped for a single
+            integer start).
+    """
+
+    steps: Tensor
+
+    @property
+    def last(self) -> Tensor:
+        """``(..., S, N)`` the final distribution ``v_K``."""
+        return self.steps[..., -1, :]
+
+
+def bounce(
+    attn: Tensor,
+    start: int | Tensor,
+    steps: int = 2,
+    *,
+    direction: Literal["forward", "source"] = "forward",
+) -> BounceResult:
+    """Multi-bounce propagation ``v_{n+1}^T = v_n^T A``, keeping ``v_1 .. v_steps``.
+
+    ``steps = 1`` from a token index is row selection (``v_1 = A[i]``); ``steps = 2`` adds
+    the indirect paths ``i -> k -> j``; ``steps -> inf`` tends to the stationary vector.
+
+    Args:
+        attn: ``(..., N, N)`` row-stochastic attention.
+        start: where the mass starts: an ``int`` token index, a ``LongTensor`` of ``S`` token
+            indices, or a float tensor ``(..., S, N)`` of non-negative start masses (not
+            necessarily normalised: propagation is linear), broadcast against the batch.
+        steps: number of bounces ``K >= 1``.
+        direction: ``"forward"`` follows attention (rows of ``A``); ``"source"`` walks back
+            along where attention comes from (rows of :func:`reverse_chain`).
+
+    Returns:
+        :class:`BounceResult` with ``steps`` of shape ``(..., S, K, N)`` (or ``(..., K, N)``
+        for an ``int`` start).
+    """
+    if int(steps) < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    validate_stochastic(attn)
+    x = _as_compute(attn)
+    if direction == "source":
+        x = reverse_chain(x)
+    elif direction != "forward":
+        raise ValueError(f"direction must be 'forward' or 'source', got {direction!r}")
+    n = x.shape[-1]
+    single = False
+    if isinstance(start, int) or (isinstance(start, Tensor) and not start.is_floating_point()):
+        idx = torch.as_tensor(start, device=x.device).long()
+        single = idx.dim() == 0
+        idx = idx.reshape(-1)
+        if bool(((idx < 0) | (idx >= n)).any()):
+            raise ValueError(f"start indices must lie in [0, {n}), got {idx.tolist()}")
+        v = x.index_select(-2, idx)  # (..., S, N): the first bounce is row selection
+        out = [v]
+    else:
+        v0 = _as_compute(start).to(device=x.device, dtype=x.dtype)
+        if v0.dim() == 1:
+            v0, single = v0.unsqueeze(0), True
+        if v0.shape[-1] != n:
+            raise ValueError(f"start must have shape (..., S, {n}), got {tuple(start.shape)}")
+        if not bool(torch.isfinite(v0).all()) or bool((v0 < 0).any()):
+            raise ValueError("start distributions must be finite and non-negative")
+        v = torch.matmul(v0, x)
+        out = [v]
+    for _ in range(int(steps) - 1):
+        v = torch.matmul(v, x)  # (..., S, N) @ (..., N, N)
+        out.append(v)
+    res = torch.stack(out, dim=-2)  # (..., S, K, N)
+    if single:
+        res = res.squeeze(-3)
+    return BounceResult(steps=res)
+
+
+# --------------------------------------------------------------------------------------
+# lambda_2
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Lambda2Result:
+    """Second largest eigenvalue modulus of a batch of chains.
+
+    Attributes:
+        value: ``(...)`` ``|lambda_2|`` (float64).
+        eigenvalue: ``(...)`` the eigenvalue itself (complex128; conjugate pairs share
+            the modulus).
+        residual: ``(...)`` norm of the Ritz residual ``|y P - theta y|`` for the Krylov
+            estimate (0 where the dense path was used).
+        converged: ``(...)`` whether the Krylov estimate met its tolerance (always true for
+            the dense path).
+        matvecs: ``(...)`` matrix-vector products spent (0 for the dense path).
+        dense: ``(...)`` whether the value comes from the dense float64 fallback.
+    """
+
+    value: Tensor
+    eigenvalue: Tensor
+    residual: Tensor
+    converged: Tensor
+    matvecs: Tensor
+    dense: Tensor
+
+
+def lambda2_dense(attn: Tensor) -> Tensor:
+    """Reference ``|lambda_2|`` by a dense float64 eigendecomposition (``O(N^3)``).
+
+    The eigenvalue 1 is removed as the one closest to 1 (not by sorting moduli), so that
+    chains with several eigenvalues of modulus one (periodic or reducible) report them.
+
+    Args:
+        attn: ``(..., N, N)`` row-stochastic attention, ``N >= 2``.
+
+    Returns:
+        ``(...)`` float64 ``|lambda_2|``.
+    """
+    return _lambda2_dense_full(attn).abs()
+
+
+def _lambda2_dense_full(attn: Tensor) -> Tensor:
+    x = attn.to(torch.float64)
+    ev = torch.linalg.eigvals(x)  # (..., N) complex128
+    unit = (ev - 1).abs().argmin(-1, keepdim=True)
+    mod = ev.abs().scatter(-1, unit, -1.0)
+    j = mod.argmax(-1, keepdim=True)
+    return ev.gather(-1, j).squeeze(-1)
+
+
+def lambda2(
+    attn: Tensor,
+    *,
+    method: Literal["auto", "krylov", "dense"] = "auto",
+    tol: float = 1e-6,
+    block: int = 4,
+    passes: int = 8,
+    max_cycles: int = 20,
+    return_info: bool = False,
+    seed: int = 0,
+) -> Tensor | Lambda2Result:
+    """``|lambda_2|``: the second largest eigenvalue modulus of each chain.
+
+    ``lambda_1 = 1`` always (``A 1 = 1``). The fast path never forms a dense
+    eigendecomposition. The sum-zero row vectors ``{y : y 1 = 0}`` form an *invariant*
+    subspace of ``y -> y A`` (``(y A) 1 = y (A 1) = y 1 = 0``) on which the operator has
+    exactly the eigenvalues ``lambda_2 .. lambda_N``: no deflation error, no need to know
+    the stationary vector. A restarted block Krylov iteration runs there: each cycle
+    builds an orthonormal basis of ``passes`` blocks of ``block`` rows with batched
+    ``(block x N) @ (N x N)`` products, takes the Rayleigh-Ritz values of the small
+    projected matrix in float64, and restarts from the leading Ritz vectors. All of it is
+    batched matmuls and small QR / eig, on CPU or CUDA.
+
+    ``method="auto"`` (default) is a cascade that keeps the answer within ``1e-4`` of a
+    dense float64 eigendecomposition: fp32 Krylov for every element; float64 Krylov for
+    the elements that did not converge (strongly non-normal chains, whose eigenvalues
+    fp32 rounding moves by ``~sqrt(eps_32)``); dense float64 ``eigvals`` for any that still
+    did not (reported in ``Lambda2Result.dense``).
+
+    Degenerate spectra:
+
+    * several eigenvalues near 1 (nearly decomposable, metastable chains): they are
+      exterior and separated from the bulk, so Krylov resolves them quickly; the value is
+      the largest modulus among them;
+    * no gap at all (uniformly random stochastic matrices: every non-unit eigenvalue lies
+      on a circle of radius ~``1/sqrt(N)``): the largest modulus among many nearly equal
+      ones is not resolved within ``max_cycles``; those elements are flagged
+      ``converged=False`` and ``"auto"`` computes them densely;
+    * exactly rank-deficient chains (all rows equal): the spectrum is numerically zero and
+      the value 0 is returned after one cycle.
+
+    Args:
+        attn: ``(..., N, N)`` row-stochastic attention (remove prefix tokens first with
+            :func:`strip_prefix` for the patch chain of protocol §1).
+        method: ``"auto"``, ``"krylov"`` (fast path in the input's compute dtype only) or
+            ``"dense"`` (float64 ``eigvals``).
+        tol: relative residual and modulus-change tolerance of the fast path.
+        block: rows per Krylov block.
+        passes: blocks per cycle (the basis has ``block * passes`` rows).
+        max_cycles: restart cycles per precision before giving up.
+        return_info: return a :class:`Lambda2Result` instead of the values.
+        seed: seed of the random start block (results are deterministic).
+
+    Returns:
+        ``(...)`` float64 ``|lambda_2|`` or a :class:`Lambda2Result`.
+    """
+    validate_stochastic(attn)
+    if method not in ("auto", "krylov", "dense"):
+        raise ValueError(f"method must be 'auto', 'krylov' or 'dense', got {method!r}")
+    batch, n = attn.shape[:-2], attn.shape[-1]
+    if n < 2:
+        raise ValueError(f"lambda2 needs at least 2 tokens, got N = {n}")
+    x = _as_compute(attn).reshape(-1, n, n)
+    m, dev = x.shape[0], x.device
+    small = n <= 4 * max(1, int(block)) * max(2, int(passes))
+    if method == "dense" or (method == "auto" and small):
+        ev = _lambda2_dense_full(x)
+        res = Lambda2Result(
+            value=ev.abs(),
+            eigenvalue=ev,
+            residual=torch.zeros(m, dtype=torch.float64, device=dev),
+            converged=torch.ones(m, dtype=torch.bool, device=dev),
+            matvecs=torch.zeros(m, dtype=torch.long, device=dev),
+            dense=torch.ones(m, dtype=torch.bool, device=dev),
+        )
+    else:
+        kw = dict(tol=tol, block=block, passes=passes, max_cycles=max_cycles, seed=seed)
+        res = _lambda2_krylov(x, **kw)
+        if method == "auto":
+            bad = (~res.converged).nonzero().squeeze(-1)
+            if bad.numel() and x.dtype != torch.float64:
+                sub = _lambda2_krylov(x[bad].double(), **kw)
+                for f in ("value", "eigenvalue", "residual", "converged"):
+                    getattr(res, f)[bad] = getattr(sub, f)
+                res.matvecs[bad] += sub.matvecs
+                bad = bad[~sub.converged]
+            if bad.numel():
+                ev = _lambda2_dense_full(x[bad])
+                res.eigenvalue[bad] = ev
+                res.value[bad] = ev.abs()
+                res.dense[bad] = True
+    out = Lambda2Result(
+        **{f: getattr(res, f).reshape(batch) for f in Lambda2Result.__dataclass_fields__}
+    )
+    return out if return_info else out.value
+
+
+def _orth_rows(z: Tensor, basis: Tensor | None) -> Tensor:
+    """Orthonormal, sum-zero rows spanning ``z`` (M, b, N) minus its part in ``basis``.
+
+    Two rounds of block Gram-Schmidt plus QR; where ``z`` (nearly) lies in the span of
+    ``basis`` (an invariant subspace was found) the QR still returns orthonormal rows, which
+    the second round makes orthogonal to ``basis``: the subspace just grows in a new
+    direction, so no breakdown needs special handling.
+    """
+    for _ in range(2):
+        if basis is not None:
+            z = z - torch.bmm(torch.bmm(z, basis.transpose(1, 2)), basis)
+        z = z - z.mean(-1, keepdim=True)
+        q, _ = torch.linalg.qr(z.transpose(1, 2))
+        z = q.transpose(1, 2)
+    return z
+
+
+def _top_ritz(basis: Tensor, images: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Rayleigh-Ritz on row space ``basis`` (M, d, N) with ``images = basis @ A``.
+
+    A row vector ``y = c @ basis`` maps to ``y A = c @ images``, whose projection back onto
+    the span is ``c @ G`` with ``G = images @ basis^T``: the Ritz pairs are the left
+    eigenpairs of ``G`` (float64).
+
+    Returns:
+        Ritz values sorted by decreasing modulus ``(M, d)`` (complex128), their coefficient
+        vectors as columns ``(M, d, d)``, and the relative residual
+        ``|y A - theta y| / |y|`` of the top pair ``(M,)``.
+    """
+    b64, i64 = basis.double(), images.double()
+    g = torch.bmm(i64, b64.transpose(1, 2))
+    theta, vecs = torch.linalg.eig(g.transpose(1, 2))
+    order = theta.abs().argsort(-1, descending=True)
+    theta = theta.gather(1, order)
+    vecs = vecs.gather(2, order.unsqueeze(1).expand_as(vecs))
+    c = vecs[:, :, :1].transpose(1, 2)  # (M, 1, d)
+    y = torch.complex(torch.bmm(c.real, b64), torch.bmm(c.imag, b64))
+    ya = torch.complex(torch.bmm(c.real, i64), torch.bmm(c.imag, i64))
+    r = (ya - theta[:, :1, None] * y).abs().norm(dim=(-1, -2))
+    r = r / y.abs().norm(dim=(-1, -2)).clamp_min(1e-300)
+    return theta, vecs, r
+
+
+def _lambda2_krylov(
+    x: Tensor, *, tol: float, block: int, passes: int, max_cycles: int, seed: int
+) -> Lambda2Result:
+    """Restarted block Krylov on the sum-zero rows of ``x`` (M, N, N), in ``x.dtype``.
+
+    Each cycle builds ``basis = [X; X' ; ...]`` of ``passes`` blocks of ``block`` rows
+    (each block the previous block's image ``@ A``, orthogonalised), so the work is
+    ``passes - 1`` batched ``(block x N) @ (N x N)`` products per cycle. An element is
+    converged when its top Ritz pair has a relative residual below ``tol`` and adding the
+    last block changed the top modulus by less than ``tol``. Otherwise the next cycle
+    restarts from the real span of its ``block`` leading Ritz vectors (their images are
+    linear combinations of known images, so a restart costs no product).
+    """
+    m, n, _ = x.shape
+    dev, dt = x.device, x.dtype
+    b = max(1, min(int(block), (n - 1) // max(2, int(passes))))
+    s = max(2, int(passes))
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    value = torch.zeros(m, dtype=torch.float64, device=dev)
+    eig = torch.zeros(m, dtype=torch.complex128, device=dev)
+    resid = torch.full((m,), float("inf"), dtype=torch.float64, device=dev)
+    conv = torch.zeros(m, dtype=torch.bool, device=dev)
+    matvecs = torch.full((m,), b, dtype=torch.long, device=dev)
+
+    active = torch.arange(m, device=dev)
+    mats = x
+    start = _orth_rows(torch.randn(m, b, n, generator=gen, dtype=dt).to(dev), None)
+    start_img = torch.bmm(start, mats)
+    for cycle in range(max_cycles):
+        rows, imgs = [start], [start_img]
+        for _ in range(s - 1):
+            z = _orth_rows(imgs[-1], torch.cat(rows, 1))
+            rows.append(z)
+            imgs.append(torch.bmm(z, mats))  # (Ma, b, N) @ (Ma, N, N)
+            matvecs[active] += b
+        basis, images = torch.cat(rows, 1), torch.cat(imgs, 1)
+        theta, vecs, r = _top_ritz(basis, images)
+        mod = theta[:, 0].abs()
+        d_prev = (s - 1) * b
+        prev_theta, _, _ = _top_ritz(basis[:, :d_prev], images[:, :d_prev])
+        change = (mod - prev_theta[:, 0].abs()).abs()
+        done = (r <= tol) & (change <= tol)
+        done |= mod <= 1e3 * torch.finfo(dt).eps  # the spectrum is numerically zero
+        value[active], eig[active], resid[active], conv[active] = mod, theta[:, 0], r, done
+        if bool(done.all()) or cycle == max_cycles - 1:
+            break
+        keep = ~done
+        # restart block: real span of the leading Ritz vectors (conjugate pairs share it)
+        ck = vecs[keep][:, :, :b]
+        cri = torch.stack([ck.real, ck.imag], -1).flatten(-2)  # (Mk, d, 2b)
+        u = torch.linalg.svd(cri, full_matrices=False).U[:, :, :b]
+        ut = u.transpose(1, 2).to(dt)  # (Mk, b, d)
+        start = torch.bmm(ut, basis[keep])
+        start_img = torch.bmm(ut, images[keep])
+        q, rr = torch.linalg.qr(start.transpose(1, 2))  # re-orthonormalise (rounding)
+        start = q.transpose(1, 2)
+        start_img = torch.linalg.solve_triangular(rr.transpose(1, 2), start_img, upper=False)
+        if not bool(keep.all()):  # one copy per cycle, cheaper than products on all
+            active, mats = active[keep], mats[keep]
+    return Lambda2Result(
+        value=value, eigenvalue=eig, residual=resid, converged=conv, matvecs=matvecs,
+        dense=torch.zeros(m, dtype=torch.bool, device=dev),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# head fusion
+# --------------------------------------------------------------------------------------
+
+
+def head_weights(
+    lam2: Tensor,
+    scheme: Literal["lambda2", "uniform", "softmax", "top_k"] = "lambda2",
+    *,
+    temperature: float = 0.1,
+    k: int = 1,
+) -> Tensor:
+    """Head fusion weights from ``|lambda_2|`` per head (last dimension = heads).
+
+    Schemes (all sum to 1 over heads):
+
+    * ``"lambda2"`` (reference): ``w_h = |lambda_2,h| / sum_g |lambda_2,g|``;
+    * ``"uniform"``: ``w_h = 1 / H``, the head mean baseline;
+    * ``"softmax"``: ``softmax(|lambda_2| / temperature)``, sharper than proportional;
+    * ``"top_k"``: uniform over the ``k`` heads with the largest ``|lambda_2|``.
+
+    Args:
+        lam2: ``(..., H)`` second eigenvalue moduli in ``[0, 1]``.
+        scheme: one of the schemes above.
+        temperature: for ``"softmax"``.
+        k: for ``"top_k"``.
+
+    Returns:
+        ``(..., H)`` non-negative weights summing to 1.
+    """
+    lam2 = _as_compute(lam2)
+    if lam2.dim() < 1 or lam2.shape[-1] < 1:
+        raise ValueError(f"lam2 must have shape (..., H) with H >= 1, got {tuple(lam2.shape)}")
+    if not bool(torch.isfinite(lam2).all()) or bool((lam2 < 0).any()):
+        raise ValueError("lam2 must be finite and non-negative")
+    h = lam2.shape[-1]
+    if scheme == "uniform":
+        return torch.full_like(lam2, 1.0 / h)
+    if scheme == "lambda2":
+        s = lam2.sum(-1, keepdim=True)
+        uniform = torch.full_like(lam2, 1.0 / h)
+        return torch.where(s > 0, lam2 / s.clamp_min(torch.finfo(lam2.dtype).tiny), uniform)
+    if scheme == "softmax":
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        return torch.softmax(lam2 / temperature, dim=-1)
+    if scheme == "top_k":
+        if not 1 <= int(k) <= h:
+            raise ValueError(f"k must be in [1, {h}], got {k}")
+        idx = lam2.topk(int(k), dim=-1).indices
+        return torch.zeros_like(lam2).scatter(-1, idx, 1.0 / int(k))
+    raise ValueError(
+        f"scheme must be 'lambda2', 'uniform', 'softmax' or 'top_k', got {scheme!r}"
+    )
+
+
+def fuse_heads(attn: Tensor, weights: Tensor, *, head_dim: int = -3) -> Tensor:
+    """Weighted sum of heads: ``sum_h w_h A_h``, still row-stochastic if ``sum_h w_h = 1``.
+
+    Args:
+        attn: ``(..., H, N, N)`` per-head chains (heads at ``head_dim``, default ``-3``).
+        weights: ``(..., H)`` weights (broadcast against the leading dims).
+
+    Returns:
+        ``(..., N, N)`` fused chain.
+    """
+    x = _as_compute(attn)
+    x = x.movedim(head_dim, -3)
+    w = _as_compute(weights).to(device=x.device, dtype=x.dtype)
+    if w.shape[-1] != x.shape[-3]:
+        raise ValueError(f"weights have {w.shape[-1]} heads, attention has {x.shape[-3]}")
+    return (x * w[..., :, None, None]).sum(-3)
