@@ -1,0 +1,65 @@
+"""Small shared helpers: device selection and atomic file writes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
+    """``"auto"`` -> CUDA when available, else CPU; otherwise ``torch.device(spec)``.
+
+    Raises:
+        ValueError: when CUDA is asked for and not available.
+    """
+    if spec is None or str(spec) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(spec)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={spec!r} was asked for but CUDA is not available; use device=cpu")
+    return dev
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; on success it replaces ``path`` atomically.
+
+    A crash or Ctrl-C inside the block leaves ``path`` as it was (old content or absent),
+    never truncated.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp_path.unlink()
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (temp file + fsync + rename)."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, **kwargs: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=kwargs.pop("indent", 2), **kwargs) + "\n")
