@@ -128,6 +128,8 @@ class AttentionRecord:
         head_weights: layer index -> ``(B, H)`` weights used to fuse heads, when fused.
         averaged_layers: the layers averaged into one entry, when ``Capture.average_layers``.
         extras: backbone-specific tensors (e.g. ConceptAttention outputs), by name.
+        num_layers: layers of the backbone that made the record (resolves a method's
+            negative layer indices); ``None`` when unknown.
     """
 
     attn: dict[int, Tensor]
@@ -138,6 +140,7 @@ class AttentionRecord:
     head_weights: dict[int, Tensor] = field(default_factory=dict)
     averaged_layers: tuple[int, ...] | None = None
     extras: dict[str, Tensor] = field(default_factory=dict)
+    num_layers: int | None = None
 
     @property
     def batch_size(self) -> int:

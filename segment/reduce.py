@@ -51,6 +51,7 @@ class AttentionReducer:
     def __init__(self, capture: Capture, num_layers: int, layout: TokenLayout) -> None:
         self.capture = capture
         self.layout = layout
+        self.num_layers = num_layers
         self.layers = capture.resolve(num_layers)
         self.attn: dict[int, Tensor] = {}
         self.keys: dict[int, Tensor] = {}
@@ -89,6 +90,7 @@ class AttentionReducer:
         missing = [i for i in self.layers if i not in attn and averaged is None]
         if missing:
             raise RuntimeError(f"layers {missing} were selected but never captured")
+        kwargs.setdefault("num_layers", self.num_layers)
         return AttentionRecord(
             attn=attn,
             layout=self.layout,
