@@ -1,0 +1,576 @@
+"""What a ``segment`` run writes: per-image files, COCO annotations, manifest and gallery.
+
+Layout of an output folder (``<name>`` keeps the image's sub-folders, see
+:func:`segment.io.output_names`)::
+
+    masks/<name>.png       0/255 foreground mask, original resolution (8-bit grey)
+    heatmaps/<name>.png    colour-mapped heatmap R in [0, 1], original resolution
+    overlays/<name>.jpg    the image with the mask (or the coloured regions) drawn on it
+    labels/<name>.png      region ids as an indexed PNG (multi-region methods only)
+    gallery/<kind>/<name>.jpg   small thumbnails used by index.html
+    records/<name>.json    the per-image record: written last, it marks the image as done
+    annotations.json       COCO: images, categories, one RLE annotation per mask / region
+    run.json               the manifest (config, versions, device, timings, statuses)
+    index.html             a static gallery that opens from disk
+
+Every file is written atomically (temporary file + rename, :mod:`segment.utils`), so an
+interrupted run leaves old or complete files, never truncated ones; a record exists only
+once all files of its image are complete.
+"""
+
+from __future__ import annotations
+
+import colorsys
+import html
+import json
+import os
+import platform
+import time
+import urllib.parse
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+import torch
+from PIL import Image
+from pycocotools import mask as mask_utils
+
+from segment.masks import MethodOutput, labels_at, to_masks
+from segment.utils import atomic_path, atomic_write_bytes, atomic_write_json, atomic_write_text
+
+FOREGROUND_ID = 1
+BACKGROUND_ID = 2
+CATEGORIES = [
+    {"id": FOREGROUND_ID, "name": "foreground", "supercategory": "region"},
+    {"id": BACKGROUND_ID, "name": "background", "supercategory": "region"},
+]
+"""COCO categories: a binary method gives one ``foreground`` annotation per image; a
+multi-region method gives one annotation per region, ``foreground`` or ``background`` by
+the method's decision for that region."""
+
+RECORD_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """How the per-image files look.
+
+    Attributes:
+        colormap: OpenCV colour map for heatmaps (``inferno``, ``turbo``, ``jet``, ``viridis``...).
+        overlay_alpha: strength of the overlay: how much the background is darkened (binary)
+            or how much of the region colour is mixed in (regions), in ``[0, 1]``.
+        jpeg_quality: quality of overlays and thumbnails (1-100).
+        png_compression: zlib level of the PNGs (0-9; 1 is fast and still small for masks).
+        thumb_size: longest side of the gallery thumbnails, pixels.
+        fsync: flush every file to disk before renaming it into place (safe against power
+            loss as well as crashes; renaming alone already protects against crashes).
+    """
+
+    colormap: str = "inferno"
+    overlay_alpha: float = 0.6
+    jpeg_quality: int = 90
+    png_compression: int = 1
+    thumb_size: int = 256
+    fsync: bool = True
+
+    def __post_init__(self) -> None:
+        colormap_id(self.colormap)
+        if not 0.0 <= self.overlay_alpha <= 1.0:
+            raise ValueError(f"overlay_alpha must lie in [0, 1], got {self.overlay_alpha}")
+        if not 1 <= self.jpeg_quality <= 100:
+            raise ValueError(f"jpeg_quality must lie in [1, 100], got {self.jpeg_quality}")
+        if not 0 <= self.png_compression <= 9:
+            raise ValueError(f"png_compression must lie in [0, 9], got {self.png_compression}")
+        if self.thumb_size < 16:
+            raise ValueError(f"thumb_size must be at least 16 px, got {self.thumb_size}")
+
+
+def colormap_id(name: str) -> int:
+    """OpenCV's id of a colour map name (case-insensitive)."""
+    cid = getattr(cv2, f"COLORMAP_{str(name).upper()}", None)
+    if cid is None:
+        known = sorted(k[9:].lower() for k in dir(cv2) if k.startswith("COLORMAP_"))
+        raise ValueError(f"unknown colormap {name!r}; choose one of {known}")
+    return int(cid)
+
+
+@dataclass
+class Segmentation:
+    """One image's result at its original resolution.
+
+    Attributes:
+        heatmap: ``(H, W)`` float32 ``R`` in ``[0, 1]`` (protocol §3).
+        mask: ``(H, W)`` bool foreground.
+        labels: ``(H, W)`` int64 region ids, multi-region methods only.
+        foreground: ``(K,)`` bool, region ``k`` is foreground; with ``labels``.
+    """
+
+    heatmap: np.ndarray
+    mask: np.ndarray
+    labels: np.ndarray | None = None
+    foreground: np.ndarray | None = None
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.mask.shape[0], self.mask.shape[1]
+
+
+def postprocess(out: MethodOutput, index: int, size: tuple[int, int]) -> Segmentation:
+    """Image ``index`` of a batch output at ``size = (H, W)`` with the protocol's rule.
+
+    Uses :func:`segment.masks.to_masks` (bilinear upsampling, min-max, threshold at the mean;
+    union of foreground regions for region methods) and nearest upsampling of the labels.
+    """
+    one = MethodOutput(
+        heatmap=out.heatmap[index : index + 1].float().cpu(),
+        labels=None if out.labels is None else out.labels[index : index + 1].cpu(),
+        foreground=None if out.foreground is None else out.foreground[index : index + 1].cpu(),
+    )
+    r, mask = to_masks(one, size)
+    labels = fg = None
+    if one.labels is not None:
+        labels = labels_at(one.labels, size)[0].numpy()
+        fg = one.foreground[0].bool().numpy()
+    return Segmentation(heatmap=r[0].numpy(), mask=mask[0].numpy(), labels=labels, foreground=fg)
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def rel_output(kind: str, name: str) -> str:
+    """Relative path (``/``-separated) of one output of image ``name``.
+
+    ``kind``: ``mask``, ``heatmap``, ``overlay``, ``labels``, ``record`` or
+    ``thumb/<column>`` (``thumb/image``, ``thumb/mask``...).
+    """
+    if kind.startswith("thumb/"):
+        return f"gallery/{kind[6:]}/{name}.jpg"
+    try:
+        folder, ext = {
+            "mask": ("masks", ".png"),
+            "heatmap": ("heatmaps", ".png"),
+            "overlay": ("overlays", ".jpg"),
+            "labels": ("labels", ".png"),
+            "record": ("records", ".json"),
+        }[kind]
+    except KeyError:
+        raise ValueError(f"unknown output kind {kind!r}") from None
+    return f"{folder}/{name}{ext}"
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def palette(k: int) -> np.ndarray:
+    """``(k, 3)`` uint8 RGB colours, well separated (golden-ratio hues, alternating value)."""
+    cols = []
+    for i in range(k):
+        h = (i * 0.618033988749895) % 1.0
+        v = 0.95 if i % 2 == 0 else 0.75
+        cols.append(colorsys.hsv_to_rgb(h, 0.75, v))
+    return (np.asarray(cols, dtype=np.float64).reshape(k, 3) * 255).round().astype(np.uint8)
+
+
+def colorize(heatmap: np.ndarray, colormap: str = "inferno") -> np.ndarray:
+    """``(H, W)`` values in ``[0, 1]`` -> ``(H, W, 3)`` uint8 RGB through a colour map."""
+    u8 = np.clip(np.rint(heatmap * 255.0), 0, 255).astype(np.uint8)
+    return cv2.applyColorMap(u8, colormap_id(colormap))[..., ::-1]
+
+
+def _line_width(size: tuple[int, int]) -> int:
+    return max(1, round(min(size) / 250))
+
+
+def overlay(image: np.ndarray, seg: Segmentation, alpha: float = 0.6) -> np.ndarray:
+    """The image with its segmentation drawn on it, ``(H, W, 3)`` uint8 RGB.
+
+    Binary: the background darkened by ``alpha`` and the mask outline in green. Regions:
+    each region tinted with its palette colour (background regions also darkened), region
+    borders in black and the foreground outline in white.
+    """
+    img = image.astype(np.float32)
+    width = _line_width(seg.size)
+    if seg.labels is None:
+        out = np.where(seg.mask[..., None], img, img * (1.0 - alpha))
+        colour = (0, 255, 0)
+    else:
+        k = max(int(seg.labels.max()) + 1, len(seg.foreground))
+        tint = palette(k)[seg.labels].astype(np.float32)
+        out = img * (1.0 - alpha) + tint * alpha
+        out = np.where(seg.mask[..., None], out, out * (1.0 - alpha / 2))
+        lab = seg.labels
+        edge = np.zeros(lab.shape, bool)
+        edge[:, 1:] |= lab[:, 1:] != lab[:, :-1]
+        edge[1:, :] |= lab[1:, :] != lab[:-1, :]
+        if width > 1:
+            edge = cv2.dilate(edge.astype(np.uint8), np.ones((width, width), np.uint8)) > 0
+        out[edge] = 0.0
+        colour = (255, 255, 255)
+    out = np.ascontiguousarray(np.clip(out, 0, 255).astype(np.uint8))
+    contours, _ = cv2.findContours(seg.mask.astype(np.uint8), cv2.RETR_LIST, cv2.CHAIN_APPROX_SIMPLE)
+    cv2.drawContours(out, contours, -1, colour, width)
+    return out
+
+
+def label_image(labels: np.ndarray, k: int) -> Image.Image:
+    """``(H, W)`` region ids -> indexed PNG image (mode ``P`` with :func:`palette`).
+
+    More than 256 regions do not fit a palette: then a 16-bit grey image (mode ``I;16``).
+    """
+    if k <= 256:
+        h, w = labels.shape
+        im = Image.frombytes("P", (w, h), np.ascontiguousarray(labels, dtype=np.uint8).tobytes())
+        pal = np.zeros((256, 3), np.uint8)
+        pal[:k] = palette(k)
+        im.putpalette(pal.tobytes())
+        return im
+    if k > 65536:
+        raise ValueError(f"{k} regions do not fit a 16-bit label image")
+    return Image.fromarray(np.ascontiguousarray(labels, dtype=np.uint16))  # mode I;16
+
+
+def thumbnail(rgb: np.ndarray, size: int) -> np.ndarray:
+    """Shrink ``(H, W, 3)`` (or grey ``(H, W)``) so the longest side is at most ``size`` (area interpolation)."""
+    h, w = rgb.shape[:2]
+    s = size / max(h, w)
+    if s >= 1.0:
+        return rgb
+    return cv2.resize(rgb, (max(1, round(w * s)), max(1, round(h * s))), interpolation=cv2.INTER_AREA)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _encode(ext: str, rgb_or_grey: np.ndarray, params: list[int]) -> bytes:
+    a = rgb_or_grey[..., ::-1] if rgb_or_grey.ndim == 3 else rgb_or_grey  # RGB -> BGR
+    ok, buf = cv2.imencode(ext, np.ascontiguousarray(a), params)
+    if not ok:
+        raise OSError(f"could not encode a {ext} image of shape {a.shape}")
+    return buf.tobytes()
+
+
+def write_file(path: Path, data: bytes, fsync: bool = True) -> None:
+    """Atomically write ``data`` (temp file + rename; ``fsync`` first when asked)."""
+    if fsync:
+        atomic_write_bytes(path, data)
+        return
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def coco_annotations(seg: Segmentation) -> list[dict[str, Any]]:
+    """COCO annotations of one image (without ``id``/``image_id``), RLE-compressed.
+
+    Binary: one ``foreground`` annotation for the mask (none when the mask is empty).
+    Regions: one annotation per region present in the label map, with its ``region_id`` and
+    the category ``foreground``/``background`` the method chose for it. ``score`` = mean of
+    the heatmap R over the annotated pixels.
+    """
+    if seg.labels is None:
+        parts = [(None, seg.mask, FOREGROUND_ID)]
+    else:
+        parts = []
+        for k in np.unique(seg.labels).tolist():
+            fg = bool(seg.foreground[k]) if k < len(seg.foreground) else False
+            parts.append((int(k), seg.labels == k, FOREGROUND_ID if fg else BACKGROUND_ID))
+    anns = []
+    for region, m, cat in parts:
+        if not m.any():
+            continue
+        rle = mask_utils.encode(np.asfortranarray(m.astype(np.uint8)))
+        ann = {
+            "category_id": cat,
+            "segmentation": {"size": [int(s) for s in rle["size"]], "counts": rle["counts"].decode("ascii")},
+            "area": int(mask_utils.area(rle)),
+            "bbox": [float(v) for v in mask_utils.toBbox(rle).tolist()],
+            "iscrowd": 0,
+            "score": float(seg.heatmap[m].mean()),
+        }
+        if region is not None:
+            ann["region_id"] = region
+        anns.append(ann)
+    return anns
+
+
+@dataclass
+class ImageRecord:
+    """The per-image record (``records/<name>.json``); its presence marks the image done.
+
+    Attributes:
+        name: output name.
+        source: path relative to the input root.
+        source_path: absolute path of the file when it was processed.
+        source_bytes: file size then (a changed file is processed again).
+        source_mtime_ns: modification time then.
+        width: image width after EXIF orientation (the outputs' width).
+        height: image height likewise.
+        fingerprint: hash of the model and method configs that produced it.
+        outputs: kind -> path relative to the output root (``mask``, ``heatmap``...).
+        annotations: COCO annotations without ``id``/``image_id``.
+        mask_fraction: share of foreground pixels.
+        num_regions: regions in the label map (multi-region methods), else ``None``.
+        source_mode: Pillow mode of the file.
+        notes: non-fatal remarks from reading.
+        seconds: time spent post-processing and writing.
+    """
+
+    name: str
+    source: str
+    source_path: str
+    source_bytes: int
+    source_mtime_ns: int
+    width: int
+    height: int
+    fingerprint: str
+    outputs: dict[str, str]
+    annotations: list[dict[str, Any]]
+    mask_fraction: float
+    num_regions: int | None = None
+    source_mode: str = ""
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    version: int = RECORD_VERSION
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ImageRecord:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+def write_image(
+    root: str | os.PathLike,
+    name: str,
+    image: np.ndarray,
+    seg: Segmentation,
+    opts: RenderOptions,
+    **record_fields: Any,
+) -> ImageRecord:
+    """Write every file of one image, then its record (last, so it marks completion).
+
+    An existing record of ``name`` is deleted first: if the process dies half-way, the image
+    has no record and a rerun does it again.
+
+    Args:
+        root: the output folder.
+        name: the image's output name.
+        image: ``(H, W, 3)`` uint8 RGB at original resolution.
+        seg: the post-processed result at the same resolution.
+        opts: rendering options.
+        **record_fields: the :class:`ImageRecord` fields about the source (``source``,
+            ``source_path``, ``source_bytes``, ``source_mtime_ns``, ``fingerprint``,
+            ``source_mode``, ``notes``).
+
+    Returns:
+        The record that was written.
+    """
+    t0 = time.perf_counter()
+    root = Path(root)
+    if image.shape[:2] != seg.size:
+        raise ValueError(f"image {image.shape[:2]} and segmentation {seg.size} sizes differ for {name!r}")
+    # an old record must not vouch for files that are about to be replaced
+    (root / rel_output("record", name)).unlink(missing_ok=True)
+    png = [cv2.IMWRITE_PNG_COMPRESSION, opts.png_compression]
+    jpg = [cv2.IMWRITE_JPEG_QUALITY, opts.jpeg_quality]
+    heat_rgb = colorize(seg.heatmap, opts.colormap)
+    over = overlay(image, seg, opts.overlay_alpha)
+    mask_u8 = seg.mask.astype(np.uint8) * 255
+    files: dict[str, bytes] = {
+        "mask": _encode(".png", mask_u8, png),
+        "heatmap": _encode(".png", heat_rgb, png),
+        "overlay": _encode(".jpg", over, jpg),
+    }
+    thumbs = {"image": image, "heatmap": heat_rgb, "mask": mask_u8, "overlay": over}
+    num_regions = None
+    if seg.labels is not None:
+        k = max(int(seg.labels.max()) + 1, len(seg.foreground))
+        num_regions = int(len(np.unique(seg.labels)))
+        im = label_image(seg.labels, k)
+        with atomic_path(root / rel_output("labels", name)) as tmp:
+            im.save(tmp, format="PNG", compress_level=opts.png_compression)
+        thumbs["labels"] = palette(k)[seg.labels] if k <= 4096 else colorize(seg.labels / max(k - 1, 1))
+    outputs = {kind: rel_output(kind, name) for kind in files}
+    if seg.labels is not None:
+        outputs["labels"] = rel_output("labels", name)
+    for kind, data in files.items():
+        write_file(root / outputs[kind], data, opts.fsync)
+    for col, arr in thumbs.items():
+        small = thumbnail(arr, opts.thumb_size)
+        rel = rel_output(f"thumb/{col}", name)
+        write_file(root / rel, _encode(".jpg", small, [cv2.IMWRITE_JPEG_QUALITY, 85]), opts.fsync)
+        outputs[f"thumb/{col}"] = rel
+    rec = ImageRecord(
+        name=name,
+        width=int(seg.size[1]),
+        height=int(seg.size[0]),
+        outputs=outputs,
+        annotations=coco_annotations(seg),
+        mask_fraction=float(seg.mask.mean()),
+        num_regions=num_regions,
+        **record_fields,
+    )
+    rec.seconds = round(time.perf_counter() - t0, 4)
+    write_record(root, rec, opts.fsync)
+    return rec
+
+
+def write_record(root: str | os.PathLike, rec: ImageRecord, fsync: bool = True) -> None:
+    data = (json.dumps(asdict(rec), separators=(",", ":")) + "\n").encode("utf-8")
+    write_file(Path(root) / rel_output("record", rec.name), data, fsync)
+
+
+def load_record(root: str | os.PathLike, name: str) -> ImageRecord | None:
+    """The record of image ``name``, or ``None`` when absent or unreadable."""
+    p = Path(root) / rel_output("record", name)
+    try:
+        d = json.loads(p.read_text("utf-8"))
+        if d.get("version") != RECORD_VERSION or d.get("name") != name:
+            return None
+        return ImageRecord.from_dict(d)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def record_is_current(
+    rec: ImageRecord | None, root: str | os.PathLike, *, fingerprint: str, source_bytes: int,
+    source_mtime_ns: int,
+) -> bool:
+    """Whether ``rec`` says the image is done with these settings and this file content.
+
+    Done = same model/method fingerprint, same source size and mtime, and every output the
+    record lists still present.
+    """
+    if rec is None or rec.fingerprint != fingerprint:
+        return False
+    if rec.source_bytes != source_bytes or rec.source_mtime_ns != source_mtime_ns:
+        return False
+    root = Path(root)
+    return all((root / rel).is_file() for rel in rec.outputs.values())
+
+
+# --------------------------------------------------------------------------- run-level files
+
+
+def build_coco(records: Sequence[ImageRecord], info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A COCO dict of the records, image ids ``1..`` in the given order.
+
+    ``images[i].file_name`` is the source path relative to the input root;
+    ``segment_name`` is the output name. Annotations get sequential ids.
+    """
+    images, anns = [], []
+    for i, rec in enumerate(records, start=1):
+        images.append({
+            "id": i, "file_name": rec.source, "width": rec.width, "height": rec.height,
+            "segment_name": rec.name,
+        })
+        for a in rec.annotations:
+            anns.append({"id": len(anns) + 1, "image_id": i, **a})
+    return {
+        "info": dict(info or {}),
+        "licenses": [],
+        "images": images,
+        "annotations": anns,
+        "categories": [dict(c) for c in CATEGORIES],
+    }
+
+
+def write_coco(path: str | os.PathLike, records: Sequence[ImageRecord], info: dict[str, Any] | None = None) -> None:
+    atomic_write_text(path, json.dumps(build_coco(records, info), separators=(",", ":")) + "\n")
+
+
+def package_versions(names: Iterable[str] = (
+    "segment", "torch", "torchvision", "timm", "hydra-core", "omegaconf", "numpy", "pillow",
+    "opencv-python-headless", "pycocotools", "safetensors", "tqdm",
+)) -> dict[str, str | None]:
+    """Installed versions of the packages a run depends on (``None`` when absent)."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for n in names:
+        try:
+            out[n] = metadata.version(n)
+        except metadata.PackageNotFoundError:
+            out[n] = None
+    out["cuda"] = torch.version.cuda
+    return out
+
+
+def write_manifest(path: str | os.PathLike, manifest: dict[str, Any]) -> None:
+    atomic_write_json(path, manifest, default=str)
+
+
+_GALLERY_CSS = """
+body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
+table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px;vertical-align:top}
+th{background:#f3f3f3;position:sticky;top:0}
+td img{max-width:%(t)dpx;max-height:%(t)dpx;display:block}
+.name{font-family:monospace;max-width:14em;word-break:break-all}.small{color:#666;font-size:90%%}
+"""
+
+
+def _href(rel: str) -> str:
+    return html.escape(urllib.parse.quote(rel), quote=True)
+
+
+def source_link(source_path: str, root: str | os.PathLike) -> str:
+    """Relative link from the output folder to a source file (absolute URI as fallback)."""
+    try:
+        return Path(os.path.relpath(source_path, os.path.abspath(root))).as_posix()
+    except ValueError:  # another drive on Windows
+        return Path(source_path).resolve().as_uri()
+
+
+def render_gallery(
+    root: str | os.PathLike,
+    records: Sequence[ImageRecord],
+    failed: Sequence[dict[str, str]] = (),
+    title: str = "segment",
+    summary: Sequence[tuple[str, str]] = (),
+    thumb_size: int = 256,
+) -> str:
+    """The HTML of the static gallery: one row per image (image | heatmap | mask | overlay,
+    plus labels for region methods), thumbnails linking to the full-size files, then the
+    files that could not be used with the reason. All links are relative."""
+    with_labels = any("labels" in r.outputs for r in records)
+    cols = ["image", "heatmap", "mask", "overlay"] + (["labels"] if with_labels else [])
+    e = html.escape
+    out = [
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{e(title)}</title><style>{_GALLERY_CSS % {'t': thumb_size}}</style></head><body>",
+        f"<h1>{e(title)}</h1>",
+    ]
+    if summary:
+        out.append("<p>" + "<br>".join(f"<b>{e(k)}</b>: {e(v)}" for k, v in summary) + "</p>")
+    out.append("<table><thead><tr><th>name</th>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr></thead><tbody>")
+    for r in records:
+        cells = [
+            f'<td class="name">{e(r.name)}<div class="small">{r.width}&times;{r.height}<br>'
+            f"foreground {100 * r.mask_fraction:.1f}%"
+            + (f"<br>{r.num_regions} regions" if r.num_regions is not None else "")
+            + "</div></td>"
+        ]
+        for c in cols:
+            thumb = r.outputs.get(f"thumb/{c}")
+            full = source_link(r.source_path, root) if c == "image" else r.outputs.get(c)
+            if thumb is None:
+                cells.append("<td></td>")
+                continue
+            cells.append(
+                f'<td><a href="{_href(full or thumb)}"><img loading="lazy" src="{_href(thumb)}" '
+                f'alt="{e(c)} of {e(r.name)}"></a></td>'
+            )
+        out.append("<tr>" + "".join(cells) + "</tr>")
+    out.append("</tbody></table>")
+    if failed:
+        out.append(f"<h2>Not processed ({len(failed)})</h2><table><tr><th>file</th><th>reason</th></tr>")
+        for f in failed:
+            out.append(f"<tr><td class=\"name\">{e(f['path'])}</td><td>{e(f['reason'])}</td></tr>")
+        out.append("</table>")
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"
+
+
+def write_gallery(path: str | os.PathLike, records: Sequence[ImageRecord], **kwargs: Any) -> None:
+    """Write :func:`render_gallery` for the output folder that holds ``path``."""
+    path = Path(path)
+    atomic_write_text(path, render_gallery(path.parent, records, **kwargs))

@@ -1,0 +1,299 @@
+"""segment.outputs: post-processing, per-image files, COCO, gallery, atomic writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import urllib.parse
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from pycocotools.coco import COCO
+
+import segment.utils
+from segment.masks import MethodOutput, threshold_mean
+from segment.outputs import (
+    BACKGROUND_ID,
+    FOREGROUND_ID,
+    RenderOptions,
+    Segmentation,
+    build_coco,
+    coco_annotations,
+    colorize,
+    label_image,
+    load_record,
+    palette,
+    postprocess,
+    record_is_current,
+    rel_output,
+    render_gallery,
+    write_coco,
+    write_gallery,
+    write_image,
+)
+
+FAST = RenderOptions(fsync=False, thumb_size=32)
+
+
+def _image(h: int, w: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def _binary_seg(h: int = 30, w: int = 45) -> Segmentation:
+    grid = torch.zeros(1, 3, 4)
+    grid[0, 1, 1:3] = 1.0  # a blob in the middle of a 3 x 4 grid
+    return postprocess(MethodOutput(heatmap=grid), 0, (h, w))
+
+
+def _region_seg(h: int = 30, w: int = 40) -> Segmentation:
+    labels = torch.tensor([[[0, 0, 1, 1], [0, 2, 2, 1], [3, 3, 2, 1]]])  # (1, 3, 4), 4 regions
+    fg = torch.tensor([[False, True, True, False]])
+    heat = torch.rand(1, 3, 4, generator=torch.Generator().manual_seed(0))
+    return postprocess(MethodOutput(heatmap=heat, labels=labels, foreground=fg), 0, (h, w))
+
+
+def _fields(name: str, **kw) -> dict:
+    return dict(source=f"{name}.png", source_path=f"/nowhere/{name}.png", source_bytes=10,
+                source_mtime_ns=5, fingerprint="fp", **kw)
+
+
+# ----------------------------------------------------------------------------- post-processing
+
+
+def test_postprocess_follows_protocol_at_original_size():
+    heat = torch.rand(2, 4, 6, generator=torch.Generator().manual_seed(1))
+    out = MethodOutput(heatmap=heat)
+    seg = postprocess(out, 1, (37, 53))
+    assert seg.heatmap.shape == (37, 53) and seg.mask.dtype == bool
+    # float64 reference: bilinear (align_corners=False), min-max, > mean
+    ref = torch.nn.functional.interpolate(heat[1:2, None].double(), size=(37, 53), mode="bilinear",
+                                          align_corners=False)[0, 0]
+    ref = (ref - ref.min()) / (ref.max() - ref.min())
+    np.testing.assert_allclose(seg.heatmap, ref.numpy(), atol=1e-6)
+    np.testing.assert_array_equal(seg.mask, threshold_mean(torch.from_numpy(seg.heatmap)[None])[0].numpy())
+    assert seg.labels is None
+
+
+def test_postprocess_regions_union_of_foreground():
+    seg = _region_seg(6, 8)  # grid 3 x 4 -> 6 x 8: each label becomes a 2 x 2 block
+    want_labels = np.repeat(np.repeat(np.array([[0, 0, 1, 1], [0, 2, 2, 1], [3, 3, 2, 1]]), 2, 0), 2, 1)
+    np.testing.assert_array_equal(seg.labels, want_labels)
+    np.testing.assert_array_equal(seg.mask, np.isin(want_labels, [1, 2]))
+    np.testing.assert_array_equal(seg.foreground, [False, True, True, False])
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def test_palette_distinct_and_colorize():
+    p = palette(40)
+    assert p.shape == (40, 3) and len({tuple(c) for c in p}) == 40
+    c = colorize(np.array([[0.0, 1.0]]), "inferno")
+    assert c.shape == (1, 2, 3) and c.dtype == np.uint8 and c[0, 1].sum() > c[0, 0].sum()
+    with pytest.raises(ValueError, match="unknown colormap"):
+        RenderOptions(colormap="nope")
+
+
+def test_label_image_indexed_png(tmp_path):
+    lab = np.array([[0, 1], [2, 3]])
+    im = label_image(lab, 4)
+    im.save(tmp_path / "l.png")
+    back = Image.open(tmp_path / "l.png")
+    assert back.mode == "P"
+    np.testing.assert_array_equal(np.asarray(back), lab)
+    np.testing.assert_array_equal(np.asarray(back.convert("RGB"))[1, 1], palette(4)[3])
+    big = label_image(np.array([[0, 300]]), 301)  # more than a palette holds: 16-bit
+    big.save(tmp_path / "b.png")
+    np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "b.png")), [[0, 300]])
+
+
+# ----------------------------------------------------------------------------- per-image files
+
+
+def test_write_image_binary_files_at_original_resolution(tmp_path):
+    seg = _binary_seg(30, 45)
+    img = _image(30, 45)
+    rec = write_image(tmp_path, "sub/cat", img, seg, FAST, **_fields("sub/cat"))
+    m = np.asarray(Image.open(tmp_path / "masks/sub/cat.png"))
+    assert m.shape == (30, 45) and set(np.unique(m)) == {0, 255}
+    np.testing.assert_array_equal(m == 255, seg.mask)
+    h = Image.open(tmp_path / "heatmaps/sub/cat.png")
+    assert h.size == (45, 30) and h.mode == "RGB"
+    np.testing.assert_array_equal(np.asarray(h), colorize(seg.heatmap, FAST.colormap))
+    o = Image.open(tmp_path / "overlays/sub/cat.jpg")
+    assert o.size == (45, 30) and o.format == "JPEG"
+    for col in ("image", "heatmap", "mask", "overlay"):
+        t = Image.open(tmp_path / f"gallery/{col}/sub/cat.jpg")
+        assert max(t.size) <= 32
+    assert not (tmp_path / "labels").exists()
+    # the record is on disk and describes the files
+    back = load_record(tmp_path, "sub/cat")
+    assert back == rec and rec.width == 45 and rec.height == 30
+    assert rec.outputs["mask"] == "masks/sub/cat.png" and rec.num_regions is None
+    assert rec.mask_fraction == pytest.approx(seg.mask.mean())
+    assert len(rec.annotations) == 1 and rec.annotations[0]["category_id"] == FOREGROUND_ID
+
+
+def test_coco_roundtrip_binary_and_regions(tmp_path):
+    seg_b, seg_r = _binary_seg(30, 45), _region_seg(30, 40)
+    recs = [
+        write_image(tmp_path, "a", _image(30, 45), seg_b, FAST, **_fields("a")),
+        write_image(tmp_path, "b", _image(30, 40, 1), seg_r, FAST, **_fields("b")),
+    ]
+    write_coco(tmp_path / "annotations.json", recs, info={"description": "t"})
+    coco = COCO(str(tmp_path / "annotations.json"))
+    assert sorted(coco.getImgIds()) == [1, 2]
+    assert {c["name"] for c in coco.loadCats(coco.getCatIds())} == {"foreground", "background"}
+    (ann,) = coco.loadAnns(coco.getAnnIds(imgIds=[1]))
+    np.testing.assert_array_equal(coco.annToMask(ann).astype(bool), seg_b.mask)
+    assert ann["area"] == int(seg_b.mask.sum())
+    ys, xs = np.nonzero(seg_b.mask)
+    assert ann["bbox"] == [xs.min(), ys.min(), xs.max() - xs.min() + 1, ys.max() - ys.min() + 1]
+    assert ann["score"] == pytest.approx(seg_b.heatmap[seg_b.mask].mean(), rel=1e-6)
+    # one annotation per region, category from the foreground decision
+    anns = coco.loadAnns(coco.getAnnIds(imgIds=[2]))
+    assert sorted(a["region_id"] for a in anns) == [0, 1, 2, 3]
+    for a in anns:
+        k = a["region_id"]
+        np.testing.assert_array_equal(coco.annToMask(a).astype(bool), seg_r.labels == k)
+        assert a["category_id"] == (FOREGROUND_ID if seg_r.foreground[k] else BACKGROUND_ID)
+    fg_union = np.zeros_like(seg_r.mask)
+    for a in anns:
+        if a["category_id"] == FOREGROUND_ID:
+            fg_union |= coco.annToMask(a).astype(bool)
+    np.testing.assert_array_equal(fg_union, seg_r.mask)
+    # results format works with loadRes too (scores present)
+    res = coco.loadRes([{k: v for k, v in a.items() if k != "id"} for a in coco.dataset["annotations"]])
+    assert len(res.getAnnIds()) == len(coco.getAnnIds())
+
+
+def test_region_outputs_labels_png_and_overlay(tmp_path):
+    seg = _region_seg(30, 40)
+    rec = write_image(tmp_path, "r", _image(30, 40), seg, FAST, **_fields("r"))
+    lab = Image.open(tmp_path / "labels/r.png")
+    assert lab.mode == "P" and lab.size == (40, 30)
+    np.testing.assert_array_equal(np.asarray(lab), seg.labels)
+    assert rec.num_regions == 4 and rec.outputs["labels"] == "labels/r.png"
+    assert (tmp_path / "gallery/labels/r.jpg").is_file()
+    # overlay pixels carry the region colour (tinted), not just the image
+    over = np.asarray(Image.open(tmp_path / "overlays/r.jpg")).astype(int)
+    plain = write_image(tmp_path / "p", "r", _image(30, 40), _binary_seg(30, 40), FAST, **_fields("r"))
+    assert plain.num_regions is None
+    assert np.abs(over - _image(30, 40).astype(int)).mean() > 20
+
+
+def test_empty_mask_gives_no_annotation():
+    seg = postprocess(MethodOutput(heatmap=torch.ones(1, 2, 2)), 0, (4, 4))  # constant map
+    assert not seg.mask.any() and coco_annotations(seg) == []
+
+
+def test_record_is_current(tmp_path):
+    rec = write_image(tmp_path, "a", _image(8, 8), _binary_seg(8, 8), FAST, **_fields("a"))
+    ok = dict(fingerprint="fp", source_bytes=10, source_mtime_ns=5)
+    assert record_is_current(rec, tmp_path, **ok)
+    assert not record_is_current(rec, tmp_path, **{**ok, "fingerprint": "other"})
+    assert not record_is_current(rec, tmp_path, **{**ok, "source_mtime_ns": 6})
+    assert not record_is_current(None, tmp_path, **ok)
+    (tmp_path / "overlays/a.jpg").unlink()
+    assert not record_is_current(rec, tmp_path, **ok)
+    (tmp_path / "records/a.json").write_text("{broken")
+    assert load_record(tmp_path, "a") is None
+
+
+# ----------------------------------------------------------------------------- atomic writes
+
+
+def _all_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+@pytest.mark.parametrize("fail_at", [1, 3, 6])
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, OSError])
+def test_crash_mid_write_leaves_no_truncated_files(tmp_path, monkeypatch, fail_at, exc):
+    """A crash (Ctrl-C, disk error) at any rename: old or complete files, no temp files, no
+    record; the rerun completes."""
+    old = write_image(tmp_path, "x", _image(20, 30, 1), _binary_seg(20, 30), FAST, **_fields("x"))
+    assert load_record(tmp_path, "x") == old
+    new_seg = _region_seg(20, 30)
+    calls = {"n": 0}
+    real_replace = os.replace
+
+    def flaky_replace(src, dst):
+        calls["n"] += 1
+        if calls["n"] == fail_at:
+            raise exc("simulated crash")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(segment.utils.os, "replace", flaky_replace)
+    with pytest.raises(exc):
+        write_image(tmp_path, "x", _image(20, 30, 2), new_seg, FAST, **_fields("x"))
+    monkeypatch.setattr(segment.utils.os, "replace", real_replace)
+    assert load_record(tmp_path, "x") is None  # not marked done
+    files = _all_files(tmp_path)
+    assert not [p for p in files if p.name.endswith(".tmp")]
+    for p in files:  # every file present decodes completely
+        if p.suffix in (".png", ".jpg"):
+            with Image.open(p) as im:
+                im.load()
+    rec = write_image(tmp_path, "x", _image(20, 30, 2), new_seg, FAST, **_fields("x"))
+    assert load_record(tmp_path, "x") == rec and rec.num_regions == 4
+
+
+def test_fsync_path_writes_same_bytes(tmp_path):
+    seg = _binary_seg(10, 12)
+    a = write_image(tmp_path / "a", "x", _image(10, 12), seg, RenderOptions(fsync=True), **_fields("x"))
+    b = write_image(tmp_path / "b", "x", _image(10, 12), seg, RenderOptions(fsync=False), **_fields("x"))
+    for kind in ("mask", "heatmap", "overlay"):
+        assert (tmp_path / "a" / a.outputs[kind]).read_bytes() == (tmp_path / "b" / b.outputs[kind]).read_bytes()
+
+
+# ----------------------------------------------------------------------------- gallery
+
+
+def _links(html_text: str) -> list[str]:
+    return [urllib.parse.unquote(v) for v in re.findall(r'(?:src|href)="([^"]+)"', html_text)]
+
+
+def test_gallery_references_existing_files(tmp_path):
+    out = tmp_path / "out"
+    src = tmp_path / "in" / "we ird & <name>.png"
+    src.parent.mkdir()
+    Image.fromarray(_image(20, 30)).save(src)
+    recs = [
+        write_image(out, "we ird & <name>", _image(20, 30), _binary_seg(20, 30), FAST,
+                    **{**_fields("x"), "source_path": str(src)}),
+        write_image(out, "sub/r", _image(20, 30), _region_seg(20, 30), FAST, **_fields("sub/r")),
+    ]
+    write_gallery(out / "index.html", recs, failed=[{"path": "bad.jpg", "reason": "empty file (0 bytes)"}])
+    text = (out / "index.html").read_text()
+    assert "<th>labels</th>" in text and "empty file (0 bytes)" in text and "bad.jpg" in text
+    assert "&lt;name&gt;" in text and "<name>" not in text  # escaped
+    links = _links(text)
+    assert len(links) == 2 * (5 * 2) - 2  # 2 rows x 5 columns (img + link); no labels thumb for binary
+    for rel in links:
+        assert not rel.startswith("/") and "://" not in rel, rel  # relative: opens from disk
+        if "nowhere/" in rel:  # the second record's source does not exist, by design
+            continue
+        assert (out / rel).is_file(), rel
+    assert any(Path(out / r).resolve() == src.resolve() for r in links)  # the image cell links the source
+
+
+def test_build_coco_ids_and_json_serialisable(tmp_path):
+    recs = [write_image(tmp_path, n, _image(8, 8), _binary_seg(8, 8), FAST, **_fields(n)) for n in ("b", "a")]
+    d = build_coco(recs)
+    assert [im["segment_name"] for im in d["images"]] == ["b", "a"]
+    assert [a["id"] for a in d["annotations"]] == [1, 2] and [a["image_id"] for a in d["annotations"]] == [1, 2]
+    json.dumps(d)
+    assert render_gallery(tmp_path, []).count("<tr>") == 1  # header only
+
+
+def test_thumbnails_are_small_for_big_images(tmp_path):
+    seg = _binary_seg(300, 500)
+    rec = write_image(tmp_path, "big", _image(300, 500), seg, RenderOptions(fsync=False, thumb_size=64), **_fields("big"))
+    t = cv2.imread(str(tmp_path / rec.outputs["thumb/overlay"]))
+    assert t.shape[:2] == (38, 64)
