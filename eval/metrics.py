@@ -1,0 +1,353 @@
+"""Benchmark metrics, accumulated the published way (protocol §3 and §4).
+
+Every metric is an additive *state* (a dataclass of sums) so that images, batches and
+distributed shards merge with ``+``; the scores are computed from the summed state only.
+
+Binary (ImageNet-segmentation protocol, Chefer et al.'s evaluation code):
+
+- ``pixAcc = sum_i correct_i / sum_i labeled_i`` (sums over the set, not per-image means);
+- ``mIoU = 1/2 * sum_{c in {bg, fg}} sum_i |P_c & G_c| / sum_i |P_c | G_c|`` (the standard
+  two-class mean IoU, intersections and unions summed over the set);
+- ``mIoU_CA``: ConceptAttention's variant (its stacked-channel histogram), which equals
+  ``pixAcc / (2 - pixAcc)`` exactly; reported next to the standard one;
+- ``mAP = mean_i AP_i``, ``AP_i`` = scikit-learn ``average_precision_score`` of the pooled
+  two-channel scores ``[1 - R, R]`` against targets ``[1 - G, G]`` (``2 H W`` samples),
+  NaN -> 0.
+
+Multi-class (DiffSeg protocol): per image, Hungarian matching (scipy
+``linear_sum_assignment``, maximising matched pixels) between predicted segments and the
+ground-truth classes; TP / FP / FN summed over the set (pixels of unmatched segments count
+as FN of their true class only); ``ACC = sum TP / sum labeled``,
+``mIoU = nanmean_c TP_c / (TP_c + FP_c + FN_c)``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+from torch import Tensor
+
+
+def _np(x: Tensor | np.ndarray) -> np.ndarray:
+    if isinstance(x, Tensor):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+# ---------------------------------------------------------------------------- binary
+
+
+@dataclass(frozen=True)
+class BinaryScores:
+    """Scores of a binary benchmark, as fractions in ``[0, 1]``.
+
+    Attributes:
+        pixAcc: pixel accuracy, summed over the set.
+        mIoU: standard two-class mean IoU (intersections and unions summed over the set).
+        mIoU_CA: ConceptAttention's mIoU variant, ``pixAcc / (2 - pixAcc)``.
+        mAP: mean over images of the pooled two-channel average precision.
+        images: number of images scored.
+    """
+
+    pixAcc: float
+    mIoU: float
+    mIoU_CA: float
+    mAP: float
+    images: int
+
+    def percent(self) -> dict[str, float | int]:
+        """The scores in percent (``images`` stays a count)."""
+        return {
+            "pixAcc": 100.0 * self.pixAcc,
+            "mIoU": 100.0 * self.mIoU,
+            "mIoU_CA": 100.0 * self.mIoU_CA,
+            "mAP": 100.0 * self.mAP,
+            "images": self.images,
+        }
+
+
+@dataclass
+class BinaryState:
+    """Additive sums of the binary metrics over a set of images.
+
+    Attributes:
+        correct: pixels whose prediction equals the ground truth.
+        labeled: pixels with a ground truth (all pixels for binary masks).
+        inter: ``[bg, fg]`` intersections ``|P_c & G_c|``.
+        union: ``[bg, fg]`` unions ``|P_c | G_c|``.
+        ap_sum: sum of the per-image average precisions.
+        images: number of images.
+    """
+
+    correct: int = 0
+    labeled: int = 0
+    inter: list[int] = field(default_factory=lambda: [0, 0])
+    union: list[int] = field(default_factory=lambda: [0, 0])
+    ap_sum: float = 0.0
+    images: int = 0
+
+    def __add__(self, other: BinaryState) -> BinaryState:
+        if not isinstance(other, BinaryState):
+            return NotImplemented
+        return BinaryState(
+            correct=self.correct + other.correct,
+            labeled=self.labeled + other.labeled,
+            inter=[a + b for a, b in zip(self.inter, other.inter)],
+            union=[a + b for a, b in zip(self.union, other.union)],
+            ap_sum=self.ap_sum + other.ap_sum,
+            images=self.images + other.images,
+        )
+
+    def scores(self) -> BinaryScores:
+        """The set's scores from the sums (a class with an empty union scores IoU 0, as the
+        reference code's ``inter / (eps + union)`` does)."""
+        acc = self.correct / self.labeled if self.labeled else 0.0
+        ious = [i / u if u else 0.0 for i, u in zip(self.inter, self.union)]
+        return BinaryScores(
+            pixAcc=acc,
+            mIoU=float(np.mean(ious)),
+            mIoU_CA=miou_ca(acc),
+            mAP=self.ap_sum / self.images if self.images else 0.0,
+            images=self.images,
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": "binary", "correct": self.correct, "labeled": self.labeled,
+            "inter": list(self.inter), "union": list(self.union), "ap_sum": self.ap_sum,
+            "images": self.images,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> BinaryState:
+        if d.get("kind") != "binary":
+            raise ValueError(f"not a binary metric state: {d!r}")
+        return cls(
+            correct=int(d["correct"]), labeled=int(d["labeled"]),
+            inter=[int(x) for x in d["inter"]], union=[int(x) for x in d["union"]],
+            ap_sum=float(d["ap_sum"]), images=int(d["images"]),
+        )
+
+
+def miou_ca(pix_acc: float) -> float:
+    """ConceptAttention's mIoU: ``acc / (2 - acc)``.
+
+    Its IoU pools the two stacked one-hot channels: the intersection is the number of
+    correct pixels and the union is ``2 * total - correct = total + wrong``, so the ratio is
+    ``acc / (2 - acc)``.
+    """
+    return pix_acc / (2.0 - pix_acc)
+
+
+def pooled_average_precision(score: Tensor | np.ndarray, gt: Tensor | np.ndarray) -> float:
+    """AP of the pooled two-channel scores ``[1 - R, R]`` vs targets ``[1 - G, G]``.
+
+    Args:
+        score: ``(H, W)`` heatmap ``R`` in ``[0, 1]``.
+        gt: ``(H, W)`` bool ground truth ``G``.
+
+    Returns:
+        scikit-learn's ``average_precision_score`` over the ``2 H W`` samples, NaN -> 0.
+    """
+    from sklearn.metrics import average_precision_score
+
+    r = _np(score).astype(np.float32, copy=False).ravel()
+    g = _np(gt).astype(bool).ravel()
+    y_score = np.concatenate([np.float32(1.0) - r, r])
+    y_true = np.concatenate([~g, g]).astype(np.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ap = average_precision_score(y_true, y_score)
+    return float(np.nan_to_num(ap))
+
+
+def binary_states(score: Tensor, pred: Tensor, gt: Tensor) -> list[BinaryState]:
+    """Per-image states of a batch.
+
+    Args:
+        score: ``(B, H, W)`` heatmaps ``R`` in ``[0, 1]`` (for AP).
+        pred: ``(B, H, W)`` bool predicted foreground.
+        gt: ``(B, H, W)`` bool ground truth.
+
+    Returns:
+        One :class:`BinaryState` per image.
+    """
+    if not (score.shape == pred.shape == gt.shape) or score.dim() != 3:
+        raise ValueError(
+            f"score, pred and gt must all be (B, H, W); got {tuple(score.shape)}, "
+            f"{tuple(pred.shape)}, {tuple(gt.shape)}"
+        )
+    p = pred.bool().flatten(1)
+    g = gt.to(p.device).bool().flatten(1)
+    correct = (p == g).sum(1)
+    inter_fg = (p & g).sum(1)
+    union_fg = (p | g).sum(1)
+    inter_bg = (~p & ~g).sum(1)
+    union_bg = (~p | ~g).sum(1)
+    out = []
+    for i in range(p.shape[0]):
+        out.append(
+            BinaryState(
+                correct=int(correct[i]),
+                labeled=int(p.shape[1]),
+                inter=[int(inter_bg[i]), int(inter_fg[i])],
+                union=[int(union_bg[i]), int(union_fg[i])],
+                ap_sum=pooled_average_precision(score[i], gt[i]),
+                images=1,
+            )
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------- multi-class
+
+
+@dataclass(frozen=True)
+class MulticlassScores:
+    """Scores of a multi-class benchmark (fractions).
+
+    Attributes:
+        ACC: matched pixel accuracy ``sum TP / sum labeled``.
+        mIoU: ``nanmean_c`` of the per-class IoU (classes never seen nor predicted excluded).
+        iou: per-class IoU (NaN where ``TP + FP + FN = 0``).
+        images: number of images scored.
+    """
+
+    ACC: float
+    mIoU: float
+    iou: tuple[float, ...]
+    images: int
+
+    def percent(self) -> dict[str, float | int]:
+        return {"ACC": 100.0 * self.ACC, "mIoU": 100.0 * self.mIoU, "images": self.images}
+
+
+@dataclass
+class MulticlassState:
+    """Additive per-class TP / FP / FN sums after per-image Hungarian matching.
+
+    Attributes:
+        tp, fp, fn: per-class counts, length ``K``.
+        labeled: pixels with a valid ground-truth class.
+        images: number of images.
+    """
+
+    tp: list[int]
+    fp: list[int]
+    fn: list[int]
+    labeled: int = 0
+    images: int = 0
+
+    @classmethod
+    def zero(cls, num_classes: int) -> MulticlassState:
+        return cls(tp=[0] * num_classes, fp=[0] * num_classes, fn=[0] * num_classes)
+
+    def __add__(self, other: MulticlassState) -> MulticlassState:
+        if not isinstance(other, MulticlassState):
+            return NotImplemented
+        if len(self.tp) != len(other.tp):
+            raise ValueError(f"cannot merge states of {len(self.tp)} and {len(other.tp)} classes")
+        return MulticlassState(
+            tp=[a + b for a, b in zip(self.tp, other.tp)],
+            fp=[a + b for a, b in zip(self.fp, other.fp)],
+            fn=[a + b for a, b in zip(self.fn, other.fn)],
+            labeled=self.labeled + other.labeled,
+            images=self.images + other.images,
+        )
+
+    def scores(self) -> MulticlassScores:
+        tp, fp, fn = (np.asarray(x, dtype=np.float64) for x in (self.tp, self.fp, self.fn))
+        den = tp + fp + fn
+        with np.errstate(invalid="ignore", divide="ignore"):
+            iou = np.where(den > 0, tp / np.where(den > 0, den, 1), np.nan)
+        miou = float(np.nanmean(iou)) if np.isfinite(iou).any() else 0.0
+        return MulticlassScores(
+            ACC=float(tp.sum() / self.labeled) if self.labeled else 0.0,
+            mIoU=miou,
+            iou=tuple(float(x) for x in iou),
+            images=self.images,
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": "multiclass", "tp": list(self.tp), "fp": list(self.fp), "fn": list(self.fn),
+            "labeled": self.labeled, "images": self.images,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> MulticlassState:
+        if d.get("kind") != "multiclass":
+            raise ValueError(f"not a multi-class metric state: {d!r}")
+        return cls(
+            tp=[int(x) for x in d["tp"]], fp=[int(x) for x in d["fp"]], fn=[int(x) for x in d["fn"]],
+            labeled=int(d["labeled"]), images=int(d["images"]),
+        )
+
+
+def hungarian_state(
+    pred: Tensor | np.ndarray,
+    gt: Tensor | np.ndarray,
+    num_classes: int,
+) -> MulticlassState:
+    """One image's TP / FP / FN after Hungarian matching of segments to classes.
+
+    The histogram ``hist[c, s]`` counts pixels of class ``c`` predicted as segment ``s``
+    (pixels whose class lies outside ``[0, K)``, e.g. 255, are ignored). It has at least
+    ``K`` columns, so every class is matched (possibly to an empty segment); matching
+    maximises the matched pixels. Per class: ``TP = hist[c, s(c)]``, ``FN = row sum - TP``
+    (this includes pixels of segments left unmatched), ``FP = column sum of s(c) - TP``.
+
+    Args:
+        pred: ``(H, W)`` non-negative integer segment ids (any ids, any count).
+        gt: ``(H, W)`` integer classes in ``[0, K)``; anything else is ignored.
+        num_classes: ``K``.
+    """
+    from scipy.optimize import linear_sum_assignment
+
+    p = _np(pred).astype(np.int64).ravel()
+    g = _np(gt).astype(np.int64).ravel()
+    if p.shape != g.shape:
+        raise ValueError(f"pred and gt differ in size: {_np(pred).shape} vs {_np(gt).shape}")
+    if p.size and p.min() < 0:
+        raise ValueError("predicted segment ids must be non-negative")
+    k = int(num_classes)
+    valid = (g >= 0) & (g < k)
+    segs, p = np.unique(p, return_inverse=True)  # contiguous ids; empty ids change nothing
+    p = p.ravel()
+    n = max(k, len(segs))
+    hist = np.bincount(n * g[valid] + p[valid], minlength=k * n).reshape(k, n)
+    rows, cols = linear_sum_assignment(hist, maximize=True)
+    tp = np.zeros(k, dtype=np.int64)
+    tp[rows] = hist[rows, cols]
+    fn = hist.sum(1) - tp
+    fp = np.zeros(k, dtype=np.int64)
+    fp[rows] = hist[:, cols].sum(0) - hist[rows, cols]
+    return MulticlassState(
+        tp=tp.tolist(), fp=fp.tolist(), fn=fn.tolist(), labeled=int(valid.sum()), images=1
+    )
+
+
+# ---------------------------------------------------------------------------- helpers
+
+State = BinaryState | MulticlassState
+
+
+def state_from_dict(d: dict) -> State:
+    kind = d.get("kind")
+    if kind == "binary":
+        return BinaryState.from_dict(d)
+    if kind == "multiclass":
+        return MulticlassState.from_dict(d)
+    raise ValueError(f"unknown metric state kind {kind!r}")
+
+
+def total(states: Iterable[State], empty: State) -> State:
+    """Sum of states, in order (``empty`` when there are none)."""
+    acc = empty
+    for s in states:
+        acc = acc + s
+    return acc
+

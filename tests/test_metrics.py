@@ -1,0 +1,244 @@
+"""Metrics against hand-computed cases and independent re-implementations of the published
+definitions (Chefer et al.'s ImageNet-segmentation code, ConceptAttention's stacked-channel
+IoU, DiffSeg's Hungarian matching)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from segment.eval.metrics import (
+    BinaryState,
+    MulticlassState,
+    binary_states,
+    hungarian_state,
+    miou_ca,
+    pooled_average_precision,
+    state_from_dict,
+    total,
+)
+from segment.masks import heatmap_at, threshold_mean
+
+
+def _t(x, dtype=torch.bool):
+    return torch.as_tensor(np.asarray(x)).to(dtype)
+
+
+# ------------------------------------------------------------------ binary, hand-computed
+
+
+def test_binary_hand_computed_single_image():
+    gt = [[1, 1], [0, 0]]
+    pred = [[1, 0], [0, 0]]
+    score = [[0.9, 0.2], [0.1, 0.0]]
+    (s,) = binary_states(_t([score], torch.float32), _t([pred]), _t([gt]))
+    assert (s.correct, s.labeled) == (3, 4)
+    assert s.inter == [2, 1] and s.union == [3, 2]  # [bg, fg]
+    sc = s.scores()
+    assert sc.pixAcc == pytest.approx(0.75)
+    assert sc.mIoU == pytest.approx((2 / 3 + 1 / 2) / 2)
+    assert sc.mIoU_CA == pytest.approx(0.75 / 1.25)
+    # pooled scores [0.1, 0.8, 0.9, 1.0 | 0.9, 0.2, 0.1, 0.0] vs targets [0 0 1 1 | 1 1 0 0]:
+    # ranks 1.0(1) 0.9(1) 0.9(1) 0.8(0) 0.2(1) 0.1(0) 0.1(0) 0.0(0); the tie at 0.9 is one
+    # threshold with 2 positives: P=1 at R=3/4 (the three top), then 0.2 adds R=1 at P=4/5.
+    assert sc.mAP == pytest.approx(0.75 * 1.0 + 0.25 * 4 / 5)
+
+
+def test_pooled_ap_hand_computed():
+    # R = [0.8, 0.3], G = [1, 0]: pooled [0.2, 0.7, 0.8, 0.3] vs [0, 1, 1, 0] -> perfect ranking
+    assert pooled_average_precision(np.array([0.8, 0.3]), np.array([True, False])) == pytest.approx(1.0)
+    # R = [0.3, 0.8], G = [1, 0]: ranking 0.8(0) 0.7(0) 0.3(1) 0.2(1): P = 1/3 at R = 1/2,
+    # P = 2/4 at R = 1 -> AP = 1/2 * 1/3 + 1/2 * 1/2
+    assert pooled_average_precision(np.array([0.3, 0.8]), np.array([True, False])) == pytest.approx(5 / 12)
+
+
+def _ap_reference(y_true: np.ndarray, y_score: np.ndarray) -> float:
+    """Step-wise AP = sum_n (R_n - R_{n-1}) P_n over distinct thresholds (no interpolation)."""
+    order = np.argsort(-y_score, kind="stable")
+    t, s = y_true[order], y_score[order]
+    tp = np.cumsum(t)
+    last = np.r_[np.nonzero(np.diff(s))[0], len(s) - 1]  # last index of each distinct score
+    prec = tp[last] / (last + 1)
+    rec = tp[last] / t.sum()
+    return float(np.sum(np.diff(np.r_[0.0, rec]) * prec))
+
+
+def test_pooled_ap_matches_definition_on_random_maps():
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        r = rng.random((7, 9)).astype(np.float32)
+        g = rng.random((7, 9)) > 0.6
+        ref = _ap_reference(
+            np.r_[~g.ravel(), g.ravel()].astype(int), np.r_[np.float32(1) - r.ravel(), r.ravel()]
+        )
+        assert pooled_average_precision(r, g) == pytest.approx(ref, abs=1e-12)
+
+
+def test_ap_of_constant_heatmap_is_finite():
+    # a constant map (min-max gives 0 everywhere): channel 0 scores 1, channel 1 scores 0
+    g = np.array([[True, False, False, False]])
+    r = np.zeros((1, 4), np.float32)
+    ref = _ap_reference(np.r_[~g.ravel(), g.ravel()].astype(int), np.r_[1 - r.ravel(), r.ravel()])
+    assert pooled_average_precision(r, g) == pytest.approx(ref)
+    assert np.isfinite(ref)
+
+
+def _chefer_reference(heat: torch.Tensor, gt: torch.Tensor):
+    """Re-implementation of the published evaluation loop (two channels, argmax, sums)."""
+    tot_correct = tot_label = 0
+    tot_inter = np.zeros(2)
+    tot_union = np.zeros(2)
+    aps = []
+    for r, g in zip(heat, gt):
+        res1 = (r > r.mean()).float()
+        res0 = (r <= r.mean()).float()
+        output = torch.stack([res0, res1])  # (2, H, W)
+        predict = output.argmax(0)
+        target = g.long()
+        tot_correct += int((predict == target).sum())
+        tot_label += target.numel()
+        for c in range(2):
+            tot_inter[c] += int(((predict == c) & (target == c)).sum())
+            tot_union[c] += int(((predict == c) | (target == c)).sum())
+        aps.append(pooled_average_precision(r, g))
+    acc = tot_correct / tot_label
+    iou = tot_inter / tot_union
+    return acc, iou.mean(), float(np.mean(aps))
+
+
+def _conceptattention_miou(pred: torch.Tensor, gt: torch.Tensor) -> float:
+    """ConceptAttention-style IoU: both classes' one-hot channels stacked into one histogram."""
+    p = torch.stack([~pred, pred], 1).flatten()  # (B*2*H*W,)
+    g = torch.stack([~gt, gt], 1).flatten()
+    inter = (p & g).sum().item()
+    union = (p | g).sum().item()
+    return inter / union
+
+
+def test_binary_set_sums_match_reference_definitions():
+    torch.manual_seed(0)
+    raw = torch.rand(5, 4, 4)
+    heat = heatmap_at(raw, (16, 12))  # protocol's R: bilinear + min-max
+    pred = threshold_mean(heat)
+    gt = torch.rand(5, 16, 12) > 0.55
+    states = binary_states(heat, pred, gt)
+    sc = total(states, BinaryState()).scores()
+    acc, miou, mAP = _chefer_reference(heat, gt)
+    assert sc.pixAcc == pytest.approx(acc, abs=1e-12)
+    assert sc.mIoU == pytest.approx(miou, abs=1e-12)
+    assert sc.mAP == pytest.approx(mAP, abs=1e-12)
+    assert sc.mIoU_CA == pytest.approx(_conceptattention_miou(pred, gt), abs=1e-12)
+    assert sc.mIoU_CA == pytest.approx(miou_ca(acc), abs=1e-12)
+    assert sc.images == 5
+
+
+def test_binary_accumulates_sums_not_image_means():
+    # image A: 1 pixel, wrong; image B: 3 pixels, right -> set accuracy 3/4, image mean 1/2
+    a = binary_states(_t([[[0.0]]], torch.float32), _t([[[True]]]), _t([[[False]]]))[0]
+    b = binary_states(
+        _t([[[1.0, 0.0, 0.0]]], torch.float32), _t([[[True, False, False]]]), _t([[[True, False, False]]])
+    )[0]
+    sc = (a + b).scores()
+    assert sc.pixAcc == pytest.approx(3 / 4)
+    # IoU bg: inter 2, union 3; fg: inter 1, union 2
+    assert sc.mIoU == pytest.approx((2 / 3 + 1 / 2) / 2)
+
+
+def test_binary_state_is_additive_and_serialisable():
+    torch.manual_seed(1)
+    heat = torch.rand(6, 5, 5)
+    states = binary_states(heat, heat > 0.5, torch.rand(6, 5, 5) > 0.5)
+    whole = total(states, BinaryState())
+    left = total(states[:2], BinaryState())
+    right = total(states[2:], BinaryState())
+    merged = left + right
+    assert (merged.correct, merged.labeled, merged.inter, merged.union, merged.images) == (
+        whole.correct, whole.labeled, whole.inter, whole.union, whole.images
+    )
+    assert merged.ap_sum == pytest.approx(whole.ap_sum, abs=1e-12)  # float sums: order only
+    assert state_from_dict(whole.to_dict()) == whole
+    with pytest.raises(ValueError, match="binary"):
+        BinaryState.from_dict({"kind": "multiclass"})
+
+
+def test_binary_states_shape_mismatch():
+    with pytest.raises(ValueError, match=r"\(B, H, W\)"):
+        binary_states(torch.rand(1, 4, 4), torch.rand(1, 4, 4) > 0.5, torch.rand(1, 4, 5) > 0.5)
+
+
+# ------------------------------------------------------------------ multi-class
+
+
+def test_hungarian_permuted_ids_are_perfect():
+    gt = np.array([[0, 0, 1], [2, 2, 1]])
+    pred = np.array([[7, 7, 3], [5, 5, 3]])  # a relabelling of gt
+    s = hungarian_state(pred, gt, 3)
+    assert s.tp == [2, 2, 2] and s.fp == [0, 0, 0] and s.fn == [0, 0, 0]
+    sc = s.scores()
+    assert sc.ACC == 1.0 and sc.mIoU == 1.0
+
+
+def test_hungarian_hand_computed_with_unmatched_segment_and_ignore():
+    # classes K = 2; gt row-major: 0 0 0 1 1 255;  pred: a a b c c c (3 segments > K)
+    gt = np.array([0, 0, 0, 1, 1, 255])
+    pred = np.array([0, 0, 1, 2, 2, 2])
+    s = hungarian_state(pred, gt, 2)
+    # hist[class, segment] = [[2, 1, 0], [0, 0, 2]]; matching 0->a, 1->c; segment b unmatched
+    assert s.tp == [2, 2]
+    assert s.fn == [1, 0]  # the pixel of unmatched segment b is an FN of class 0 only
+    assert s.fp == [0, 0]  # the ignored pixel (255) predicted as c is not counted
+    assert s.labeled == 5
+    sc = s.scores()
+    assert sc.ACC == pytest.approx(4 / 5)
+    assert sc.mIoU == pytest.approx((2 / 3 + 1) / 2)
+
+
+def test_hungarian_fewer_segments_than_classes():
+    gt = np.array([0, 1, 2, 2])
+    pred = np.array([0, 0, 0, 0])  # one segment: matched to class 2 (2 pixels)
+    s = hungarian_state(pred, gt, 3)
+    assert s.tp == [0, 0, 2]
+    assert s.fp == [0, 0, 2]
+    assert s.fn == [1, 1, 0]
+
+
+def test_hungarian_matches_brute_force():
+    rng = np.random.default_rng(3)
+    k = 3
+    for _ in range(10):
+        gt = rng.integers(0, k + 1, size=40)  # value k is ignored (outside [0, K))
+        pred = rng.integers(0, 4, size=40)
+        s = hungarian_state(pred, gt, k)
+        valid = gt < k
+        best = 0
+        segs = list(range(max(k, 4)))
+        for assign in itertools.permutations(segs, k):  # injective class -> segment maps
+            best = max(best, sum(int(((gt == c) & (pred == assign[c]) & valid).sum()) for c in range(k)))
+        assert sum(s.tp) == best
+        assert sum(s.tp) + sum(s.fn) == int(valid.sum()) == s.labeled
+
+
+def test_multiclass_miou_is_nanmean_over_seen_classes():
+    s = MulticlassState(tp=[2, 0, 0], fp=[2, 0, 1], fn=[0, 0, 0], labeled=2, images=1)
+    sc = s.scores()
+    assert np.isnan(sc.iou[1])
+    assert sc.mIoU == pytest.approx((0.5 + 0.0) / 2)
+    assert sc.ACC == 1.0
+
+
+def test_multiclass_state_additive_and_serialisable():
+    rng = np.random.default_rng(0)
+    states = [hungarian_state(rng.integers(0, 5, (6, 6)), rng.integers(0, 4, (6, 6)), 4) for _ in range(4)]
+    whole = total(states, MulticlassState.zero(4))
+    assert total(states[:1], MulticlassState.zero(4)) + total(states[1:], MulticlassState.zero(4)) == whole
+    assert state_from_dict(whole.to_dict()) == whole
+    with pytest.raises(ValueError, match="classes"):
+        whole + MulticlassState.zero(3)
+
+
+def test_hungarian_rejects_negative_segments():
+    with pytest.raises(ValueError, match="non-negative"):
+        hungarian_state(np.array([-1, 0]), np.array([0, 1]), 2)
