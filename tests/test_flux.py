@@ -1,0 +1,465 @@
+"""FLUX backbone: capture equals a float64 reference, the model output is untouched, the
+layout is right for non-square inputs, ConceptAttention's stream equals the model's own text
+stream when fed the same tokens, and the noise / packing / schedule follow diffusers.
+
+Everything runs on a tiny random FLUX built from configs (CPU, seconds)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from segment.concept import ConceptAttention, concept_heatmaps
+from segment.models.flux import (
+    FluxInputs,
+    attention_probs,
+    capture_forward,
+    flow_timesteps,
+    flux_pretrained,
+    latent_image_ids,
+    pack_latents,
+    word_token_indices,
+)
+from segment.models.flux_tiny import build_tiny_components, flux_tiny, tiny_tokenizer
+from segment.record import AttentionRecord, Capture, TokenLayout
+from segment.reduce import AttentionReducer
+
+T = 16  # text tokens of the tiny model
+
+
+@pytest.fixture(scope="module")
+def comps():
+    return build_tiny_components(seed=0, num_layers=2, num_single_layers=2)
+
+
+@pytest.fixture(scope="module")
+def backbone():
+    return flux_tiny(image_size=64, vae_size=128, device="cpu", default_class="object",
+                     seeds=(0,))
+
+
+def _inputs(transformer, b=2, grid=(3, 5), text=None, pooled=None, seed=0) -> FluxInputs:
+    g = torch.Generator().manual_seed(seed)
+    cfg = transformer.config
+    p = grid[0] * grid[1]
+    if text is None:
+        text = torch.randn(b, T, cfg.joint_attention_dim, generator=g)
+    if pooled is None:
+        pooled = torch.randn(b, cfg.pooled_projection_dim, generator=g)
+    return FluxInputs(
+        latents=torch.randn(b, p, cfg.in_channels, generator=g),
+        img_ids=latent_image_ids(grid),
+        text=text,
+        txt_ids=torch.zeros(text.shape[1], 3),
+        pooled=pooled,
+        timestep=torch.full((b,), 0.5),
+    )
+
+
+def _call(transformer, x: FluxInputs) -> torch.Tensor:
+    return transformer(
+        hidden_states=x.latents, encoder_hidden_states=x.text, pooled_projections=x.pooled,
+        timestep=x.timestep, img_ids=x.img_ids, txt_ids=x.txt_ids, return_dict=False,
+    )[0]
+
+
+def _blocks(transformer):
+    return list(transformer.transformer_blocks) + list(transformer.single_transformer_blocks)
+
+
+# --------------------------------------------------------------------------------------
+# float64 reference of one block's attention, from the module's own weights
+# --------------------------------------------------------------------------------------
+
+
+def _lin(lin, x):
+    y = x.double() @ lin.weight.double().T
+    return y + lin.bias.double() if lin.bias is not None else y
+
+
+def _rms(norm, x):
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return y * norm.weight.double() if norm.weight is not None else y
+
+
+def _rope(x, cos, sin):  # x (B, S, H, D); interleaved (real, imag) pairs
+    pairs = x.reshape(*x.shape[:-1], -1, 2)
+    rot = torch.stack([-pairs[..., 1], pairs[..., 0]], -1).flatten(-2)
+    return x * cos.double()[None, :, None] + rot * sin.double()[None, :, None]
+
+
+def _reference(attn, hidden, context, rope):
+    """float64 probabilities (B, H, N, N) and pre-projection outputs (B, N, H*D)."""
+    d = attn.head_dim
+    split = lambda t: t.unflatten(-1, (-1, d))  # noqa: E731
+    q, k, v = (split(_lin(m, hidden)) for m in (attn.to_q, attn.to_k, attn.to_v))
+    q, k = _rms(attn.norm_q, q), _rms(attn.norm_k, k)
+    if context is not None:
+        cq, ck, cv = (split(_lin(m, context)) for m in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+        cq, ck = _rms(attn.norm_added_q, cq), _rms(attn.norm_added_k, ck)
+        q, k, v = torch.cat([cq, q], 1), torch.cat([ck, k], 1), torch.cat([cv, v], 1)
+    q, k = _rope(q, *rope), _rope(k, *rope)
+    logits = torch.einsum("bnhd,bmhd->bhnm", q, k) / math.sqrt(d)
+    p = torch.softmax(logits, -1)
+    out = torch.einsum("bhnm,bmhd->bnhd", p, v).flatten(2)
+    return p, out
+
+
+def _attn_inputs(transformer, x):
+    """Inputs of every block's attention module (one plain forward)."""
+    got, handles = {}, []
+    for i, blk in enumerate(_blocks(transformer)):
+        def pre(mod, args, kwargs, i=i):
+            got[i] = (kwargs["hidden_states"], kwargs.get("encoder_hidden_states"),
+                      kwargs["image_rotary_emb"])
+        handles.append(blk.attn.register_forward_pre_hook(pre, with_kwargs=True))
+    outs = {}
+    for i, blk in enumerate(_blocks(transformer)):
+        handles.append(blk.attn.register_forward_hook(
+            lambda m, a, o, i=i: outs.__setitem__(i, o)))
+    try:
+        with torch.no_grad():
+            _call(transformer, x)
+    finally:
+        for h in handles:
+            h.remove()
+    return got, outs
+
+
+# --------------------------------------------------------------------------------------
+# pure helpers
+# --------------------------------------------------------------------------------------
+
+
+def test_pack_and_ids_match_flux_pipeline():
+    from diffusers import FluxPipeline
+
+    z = torch.randn(2, 16, 6, 10)  # non-square latents -> 3 x 5 tokens
+    ref = FluxPipeline._pack_latents(z, 2, 16, 6, 10)
+    assert torch.equal(pack_latents(z), ref)
+    assert torch.equal(latent_image_ids((3, 5)), FluxPipeline._prepare_latent_image_ids(1, 3, 5, "cpu", torch.float32))
+    # token r * w + c holds the latent 2x2 patch at (2r, 2c)
+    packed = pack_latents(z)
+    r, c = 2, 3
+    patch = z[:, :, 2 * r:2 * r + 2, 2 * c:2 * c + 2].reshape(2, -1)
+    assert torch.equal(packed[:, r * 5 + c], patch)
+    with pytest.raises(ValueError, match="even"):
+        pack_latents(torch.randn(1, 16, 5, 6))
+
+
+def test_flow_timesteps():
+    t = flow_timesteps(4, 4096)
+    assert torch.allclose(t, torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0], dtype=torch.float64))
+    assert t[2] == 0.5 and t[3] == 0.25  # the two published ConceptAttention settings
+    # dev shift at 4096 tokens: mu = 1.15, t' = e^mu / (e^mu + 1/t - 1)
+    s = flow_timesteps(4, 4096, shift=True)
+    mu = 1.15
+    want = math.exp(mu) / (math.exp(mu) + 1 / 0.5 - 1)
+    assert s[0] == 1.0 and s[-1] == 0.0 and abs(float(s[2]) - want) < 1e-12
+    with pytest.raises(ValueError):
+        flow_timesteps(0, 16)
+
+
+def test_word_token_indices():
+    # "a golden dog": tokens [a][_gol][den][_dog][</s>][pad]
+    offsets = [(0, 1), (1, 5), (5, 8), (8, 12), (0, 0), (0, 0)]
+    assert word_token_indices(offsets, (2, 12)) == (1, 2, 3)
+    assert word_token_indices(offsets, (9, 12)) == (3,)
+    assert word_token_indices(offsets, (20, 25)) == ()
+
+
+def test_attention_probs_matches_float64_softmax():
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, 7, 3, 8, generator=g), torch.randn(2, 7, 3, 8, generator=g)
+    ref = torch.softmax(torch.einsum("bnhd,bmhd->bhnm", q.double(), k.double()) / math.sqrt(8), -1)
+    p = attention_probs(q, k)
+    assert p.dtype == torch.float32 and p.shape == (2, 3, 7, 7)
+    assert torch.allclose(p.double(), ref, atol=1e-6)
+    mask = torch.ones(7, 7, dtype=torch.bool)
+    mask[:, 0] = False
+    pm = attention_probs(q, k, mask)
+    assert torch.all(pm[..., 0] == 0) and torch.allclose(pm.sum(-1), torch.ones(2, 3, 7))
+    # bf16 inputs: still fp32 probabilities
+    assert attention_probs(q.bfloat16(), k.bfloat16()).dtype == torch.float32
+
+
+def test_tiny_tokenizers_locate_words():
+    t5 = tiny_tokenizer("t5", 24)
+    enc = t5(["a golden retriever"], padding="max_length", max_length=24, truncation=True,
+             return_offsets_mapping=True)
+    idx = word_token_indices(enc["offset_mapping"][0], (2, 18))
+    toks = t5.convert_ids_to_tokens(enc["input_ids"][0])
+    assert "".join(toks[i] for i in idx).replace("\u2581", " ").strip() == "golden retriever"
+    assert toks[idx[-1] + 1] == "</s>" and toks[-1] == "<pad>"
+    clip = tiny_tokenizer("clip", 16)
+    ids = clip(["a dog"], padding="max_length", max_length=16)["input_ids"][0]
+    assert ids[0] == clip.bos_token_id and ids[3] == clip.eos_token_id
+
+
+# --------------------------------------------------------------------------------------
+# the capture processor on the tiny transformer
+# --------------------------------------------------------------------------------------
+
+
+def test_captured_probabilities_equal_float64_reference(comps):
+    tr = comps.transformer
+    x = _inputs(tr, b=2, grid=(3, 5))
+    n = T + 15
+    layout = TokenLayout(num_tokens=n, prefix=T, grid=(3, 5), cls_index=None, kind="dit")
+    reducer = AttentionReducer(Capture(layers=None, heads="keep", keys=True), 4, layout)
+    with torch.no_grad():
+        capture_forward(tr, x, reducer=reducer, stop_early=False)
+    inputs, outs = _attn_inputs(tr, x)
+    for i, blk in enumerate(_blocks(tr)):
+        hidden, context, rope = inputs[i]
+        p_ref, out_ref = _reference(blk.attn, hidden, context, rope)
+        got = reducer.attn[i]
+        assert got.shape == (2, 2, n, n) and got.dtype == torch.float32
+        assert torch.allclose(got.double(), p_ref, atol=1e-5), f"block {i}"
+        assert reducer.keys[i].shape == (2, 2, n, 16)
+        # the reference is the block's own attention: it reproduces the module's output
+        if i < 2:  # double-stream: (image out, text out) after the output projections
+            img, txt = outs[i]
+            assert torch.allclose(_lin(blk.attn.to_out[0], out_ref[:, T:]), img.double(), atol=1e-4)
+            assert torch.allclose(_lin(blk.attn.to_add_out, out_ref[:, :T]), txt.double(), atol=1e-4)
+        else:  # single-stream: the joint output without projection
+            assert torch.allclose(out_ref, outs[i].double(), atol=1e-4)
+
+
+def test_processor_leaves_output_unchanged_and_is_removed(comps):
+    tr = comps.transformer
+    x = _inputs(tr, b=2, grid=(4, 4))
+    before = [type(b.attn.processor) for b in _blocks(tr)]
+    with torch.no_grad():
+        plain = _call(tr, x)
+        layout = TokenLayout(num_tokens=T + 16, prefix=T, grid=(4, 4), cls_index=None, kind="dit")
+        red = AttentionReducer(Capture(layers=None, heads="lambda2"), 4, layout)
+        res = capture_forward(tr, x, reducer=red, concepts=torch.randn(2, 3, 32),
+                              concept_layers=[0, 1], stop_early=False)
+    assert torch.equal(res.output, plain)
+    assert [type(b.attn.processor) for b in _blocks(tr)] == before
+    assert res.blocks_run == 4 and set(res.concept_scores) == {0, 1}
+    assert red.weights[0].shape == (2, 2)
+
+
+def test_stops_after_last_needed_block(comps):
+    tr = comps.transformer
+    x = _inputs(tr, b=1, grid=(2, 2))
+    layout = TokenLayout(num_tokens=T + 4, prefix=T, grid=(2, 2), cls_index=None, kind="dit")
+    red = AttentionReducer(Capture(layers=(1,)), 4, layout)
+    with torch.no_grad():
+        res = capture_forward(tr, x, reducer=red)
+    assert res.output is None and res.blocks_run == 2 and list(red.attn) == [1]
+    with pytest.raises(ValueError, match="double-stream"):
+        capture_forward(tr, x, concepts=torch.randn(1, 2, 32), concept_layers=[2])
+
+
+def test_concept_stream_equals_text_stream_on_same_tokens(comps):
+    """Fed the concept tokens as the text (and a zero pooled vector, as ConceptAttention's
+    concept modulation), the model's own text stream *is* the concept stream: its
+    pre-projection text and image attention outputs give the expected concept scores at every
+    double-stream layer (this checks the stream's update, modulation and rotary handling)."""
+    tr = comps.transformer
+    g = torch.Generator().manual_seed(3)
+    concepts = torch.randn(2, 5, 32, generator=g)
+    x = _inputs(tr, b=2, grid=(3, 4), text=concepts, pooled=torch.zeros(2, 32))
+    pre = {}
+    handles = []
+    for i, blk in enumerate(tr.transformer_blocks):
+        handles.append(blk.attn.to_add_out.register_forward_pre_hook(
+            lambda m, a, i=i: pre.__setitem__(("c", i), a[0])))
+        handles.append(blk.attn.to_out[0].register_forward_pre_hook(
+            lambda m, a, i=i: pre.__setitem__(("x", i), a[0])))
+    try:
+        with torch.no_grad():
+            _call(tr, x)
+    finally:
+        for h in handles:
+            h.remove()
+    with torch.no_grad():
+        res = capture_forward(tr, x, concepts=concepts, concept_layers=[0, 1])
+    for i in (0, 1):
+        want = pre[("c", i)] @ pre[("x", i)].transpose(1, 2)  # (B, C, P)
+        assert res.concept_scores[i].shape == (2, 5, 12)
+        assert torch.allclose(res.concept_scores[i], want, atol=1e-4, rtol=1e-4), i
+
+
+# --------------------------------------------------------------------------------------
+# the backbone
+# --------------------------------------------------------------------------------------
+
+
+def _rgb(h, w, seed=0):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+
+
+def test_non_square_layout_and_noise_rule():
+    bb = flux_tiny(image_size=(48, 80), vae_size=None, device="cpu", seeds=(7,),
+                   timestep_index=3)
+    px = bb.collate([_rgb(50, 90), _rgb(30, 30, 1)])
+    assert px.shape == (2, 3, 48, 80) and px.min() >= -1 and px.max() <= 1
+    seen = {}
+
+    def pre(mod, args, kwargs):
+        seen.update(kwargs)
+
+    h = bb.transformer.register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        rec = bb.extract(px, Capture(layers=(0, 3), heads="mean"), prompts=["dog", "tabby cat"])
+    finally:
+        h.remove()
+    assert rec.layout.grid == (3, 5) and rec.layout.prefix == T
+    assert rec.layout.num_tokens == T + 15 and rec.layout.cls_index is None
+    assert rec.image_size == (48, 80) and bb.patch_size == (16, 16)
+    assert rec.attn[0].shape == (2, 1, T + 15, T + 15)
+    ids = seen["img_ids"]
+    assert ids.shape == (15, 3) and ids[:, 1].max() == 2 and ids[:, 2].max() == 4
+    assert torch.equal(ids[1 * 5 + 3], torch.tensor([0.0, 1.0, 3.0]))
+    # x_t = t * eps + (1 - t) z, t = linspace(1, 0, 5)[3] = 0.25, packed row-major
+    z = bb.encode_images(px)
+    eps = torch.randn((1, *z.shape[1:]), generator=torch.Generator().manual_seed(7))
+    assert torch.allclose(seen["hidden_states"], pack_latents(0.25 * eps + 0.75 * z), atol=1e-6)
+    assert torch.allclose(seen["timestep"], torch.full((2,), 0.25))
+    # the class word's T5 tokens: "a dog" -> [a][dog]; "a tabby cat" -> tabby cat's tokens
+    toks = [bb.tokenizer_2.convert_ids_to_tokens(
+        bb.tokenizer_2([p], padding="max_length", max_length=T)["input_ids"][0])
+        for p in ("a dog", "a tabby cat")]
+    assert [toks[0][i] for i in rec.query[0]] == ["\u2581dog"]
+    assert "".join(toks[1][i] for i in rec.query[1]) == "\u2581tabby\u2581cat"
+    assert rec.extras["query_mask"].sum(1).tolist() == [1, len(rec.query[1])]
+
+
+def test_seeds_average_and_batch_invariance(backbone):
+    px = backbone.collate([_rgb(64, 64, 1), _rgb(64, 64, 2)])
+    cap = Capture(layers=(1, 2), heads="keep")
+    backbone.seeds = (0, 1)
+    try:
+        both = backbone.extract(px, cap, prompts=["dog", "cat"])
+        backbone.seeds = (0,)
+        a = backbone.extract(px, cap, prompts=["dog", "cat"])
+        backbone.seeds = (1,)
+        b = backbone.extract(px, cap, prompts=["dog", "cat"])
+        alone = backbone.extract(px[1:], cap, prompts=["cat"])
+    finally:
+        backbone.seeds = (0,)
+    for layer in (1, 2):
+        assert torch.allclose(both.attn[layer], (a.attn[layer] + b.attn[layer]) / 2, atol=1e-6)
+        assert torch.allclose(b.attn[layer][1:], alone.attn[layer], atol=1e-5)
+    # concept scores: seeds x captured double-stream layers (layer 1 only), 1 + 6 concepts
+    assert both.extras["concept_scores"].shape == (2, 2, 7, 64)
+    assert both.extras["concept_layers"].tolist() == [1, 1]
+    assert torch.allclose(both.extras["concept_scores"][:, 0], a.extras["concept_scores"][:, 0])
+
+
+def test_bf16_weights_give_fp32_stochastic_attention():
+    bb = flux_tiny(image_size=32, vae_size=64, device="cpu", dtype="bfloat16", concepts=())
+    rec = bb.extract(bb.collate([_rgb(32, 32)]), Capture(layers=(-1,)), prompts=["dog"])
+    a = rec.attn[3]
+    assert a.dtype == torch.float32 and rec.layout.grid == (4, 4)
+    assert torch.allclose(a.sum(-1), torch.ones_like(a.sum(-1)), atol=1e-5)
+    assert "concept_scores" not in rec.extras
+    assert bb.forward_plain(bb.collate([_rgb(32, 32)])).shape == (1, 16, 64)
+
+
+def test_guidance_model_and_shifted_schedule():
+    bb = flux_tiny(image_size=32, vae_size=64, device="cpu", guidance_embeds=True,
+                   shift_schedule=True, concepts=())
+    assert bb.guidance == 3.5
+    t = bb.noise_level()
+    assert t == float(flow_timesteps(4, 16, shift=True)[2]) and t != 0.5
+    rec = bb.extract(bb.collate([_rgb(32, 32)]), Capture(layers=(0,)), prompts=["dog"])
+    assert rec.attn[0].shape == (1, 2, T + 16, T + 16)
+
+
+def test_clear_errors(backbone, tmp_path):
+    px = backbone.collate([_rgb(64, 64)])
+    with pytest.raises(ValueError, match="prompts for 1 images"):
+        backbone.extract(px, Capture(), prompts=["a", "b"])
+    with pytest.raises(ValueError, match=r"pixels must be \(B, 3, H, W\)"):
+        backbone.extract(px[0], Capture(), prompts=["a"])
+    backbone.default_class = None
+    try:
+        with pytest.raises(ValueError, match="class name per image"):
+            backbone.extract(px, Capture())
+    finally:
+        backbone.default_class = "object"
+    with pytest.raises(ValueError, match="multiple of 16"):
+        flux_tiny(image_size=64, vae_size=120, device="cpu")
+    with pytest.raises(ValueError, match="exactly once"):
+        flux_tiny(image_size=64, prompt_template="a photo", device="cpu")
+    with pytest.raises(ValueError, match="does not fit in max_sequence_length=4"):
+        flux_tiny(image_size=32, vae_size=64, device="cpu", max_sequence_length=4).extract(
+            backbone.collate([_rgb(32, 32)])[:, :, :32, :32], Capture(), prompts=["retriever"])
+    with pytest.raises(FileNotFoundError, match="not a diffusers FLUX folder"):
+        flux_pretrained(path=str(tmp_path / "nope"))
+    (tmp_path / "transformer").mkdir()
+    with pytest.raises(FileNotFoundError, match="missing vae/"):
+        flux_pretrained(path=str(tmp_path))
+
+
+def test_local_folder_roundtrip(comps, tmp_path):
+    """``model.path=DIR`` loads a diffusers folder with the real ``from_pretrained`` code."""
+    for sub, obj in (("transformer", comps.transformer), ("vae", comps.vae),
+                     ("text_encoder", comps.text_encoder), ("text_encoder_2", comps.text_encoder_2),
+                     ("tokenizer", comps.tokenizer), ("tokenizer_2", comps.tokenizer_2)):
+        obj.save_pretrained(tmp_path / sub)
+    bb = flux_pretrained(path=str(tmp_path), dtype="float32", device="cpu", image_size=32,
+                         vae_size=64, max_sequence_length=T, clip_max_length=16)
+    ref = flux_tiny(image_size=32, vae_size=64, device="cpu")
+    px = ref.collate([_rgb(32, 32)])
+    cap = Capture(layers=(1,))
+    a = bb.extract(px, cap, prompts=["dog"])
+    b = ref.extract(px, cap, prompts=["dog"])
+    assert bb.name == tmp_path.name.lower() or bb.name
+    assert torch.allclose(a.attn[1], b.attn[1], atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------
+# ConceptAttention method
+# --------------------------------------------------------------------------------------
+
+
+def test_concept_heatmaps_softmax_then_mean():
+    s = torch.tensor([[[[0.0, 1.0], [1.0, 0.0]], [[2.0, 0.0], [0.0, 0.0]]]])  # (1, 2, 2, 2)
+    m = concept_heatmaps(s)
+    e = math.e
+    want0 = 0.5 * (torch.tensor([1 / (1 + e), e / (1 + e)]) + torch.tensor([e**2 / (1 + e**2), 0.5]))
+    assert torch.allclose(m[0, 0], want0, atol=1e-6)
+    assert torch.allclose(m.sum(1), torch.ones(1, 2))
+    assert torch.allclose(concept_heatmaps(s, softmax=False)[0, 0], torch.tensor([1.0, 0.5]))
+
+
+def test_concept_attention_method_reads_its_layers():
+    layout = TokenLayout(num_tokens=4 + 6, prefix=4, grid=(2, 3), cls_index=None, kind="dit")
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(2, 4, 3, 6, generator=g)  # layers [0, 1] x 2 seeds
+    rec = AttentionRecord(
+        attn={0: torch.full((2, 1, 10, 10), 0.1)}, layout=layout, image_size=(32, 48),
+        extras={"concept_scores": scores, "concept_layers": torch.tensor([0, 1, 0, 1])},
+        num_layers=4,
+    )
+    m = ConceptAttention(layers=[1])
+    assert m.capture(4) == Capture(layers=(1,), heads="mean", average_layers=False)
+    out = m(rec)
+    want = torch.softmax(scores[:, [1, 3]], dim=-2).mean(1)[:, 0].reshape(2, 2, 3)
+    assert torch.allclose(out.heatmap, want)
+    with pytest.raises(ValueError, match="no concept scores for layers"):
+        ConceptAttention(layers=[2])(rec)
+    rec.extras.clear()
+    with pytest.raises(ValueError, match="no concept scores"):
+        m(rec)
+
+
+def test_concept_attention_on_tiny_backbone(backbone):
+    px = backbone.collate([_rgb(64, 64, 3)])
+    m = ConceptAttention(layers=[0, 1])
+    rec = backbone.extract(px, m.capture(backbone.num_layers), prompts=["dog"])
+    out = m(rec)
+    assert out.heatmap.shape == (1, 8, 8)
+    assert 0 < float(out.heatmap.min()) and float(out.heatmap.max()) < 1
