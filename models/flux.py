@@ -598,6 +598,9 @@ class FluxBackbone(Backbone):
             a seed whatever the batch).
         guidance: guidance strength for guidance-distilled models (FLUX-dev; diffusers'
             default 3.5); ignored by models without guidance embeddings.
+        pooled_prompt: the modulation's pooled text vector: ``clip`` (the prompt's pooled
+            CLIP embedding, as FluxPipeline) or ``zeros`` (ConceptAttention's segmentation
+            code passes its zeroed concept vector there instead of the caption's).
         dtype: weights dtype, ``bfloat16`` / ``float16`` / ``float32``.
         vae_dtype: VAE dtype (``None`` = ``dtype``).
         device: ``auto``, ``cpu``, ``cuda``, ``cuda:N``.
@@ -625,6 +628,7 @@ class FluxBackbone(Backbone):
         timestep: float | None = None,
         seeds: Sequence[int] = (0,),
         guidance: float | None = 3.5,
+        pooled_prompt: str = "clip",
         dtype: str | torch.dtype = "bfloat16",
         vae_dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = "auto",
@@ -706,6 +710,9 @@ class FluxBackbone(Backbone):
         grid = self.grid_size()
         #: pixels of the preprocessed image per latent token (at least 1)
         self.patch_size = (max(1, self.image_size[0] // grid[0]), max(1, self.image_size[1] // grid[1]))
+        if pooled_prompt not in ("clip", "zeros"):
+            raise ValueError(f"model.pooled_prompt must be 'clip' or 'zeros', got {pooled_prompt!r}")
+        self.pooled_prompt = pooled_prompt
         self._concept_cache: dict[str, Tensor] = {}
 
     # ----------------------------------------------------------------------------------
@@ -820,8 +827,12 @@ class FluxBackbone(Backbone):
         )
         with self._on_device(self.text_encoder_2):
             text = self.text_encoder_2(tok["input_ids"].to(self.device))[0]
-        with self._on_device(self.text_encoder):
-            pooled = self.text_encoder(clip["input_ids"].to(self.device)).pooler_output
+        if self.pooled_prompt == "zeros":
+            dim = int(self.transformer.config.pooled_projection_dim)
+            pooled = torch.zeros(len(names), dim, device=self.device)
+        else:
+            with self._on_device(self.text_encoder):
+                pooled = self.text_encoder(clip["input_ids"].to(self.device)).pooler_output
         return _Prompts(text=text.to(self.dtype), pooled=pooled.to(self.dtype), query=query,
                         query_mask=mask)
 

@@ -463,3 +463,96 @@ def test_concept_attention_on_tiny_backbone(backbone):
     out = m(rec)
     assert out.heatmap.shape == (1, 8, 8)
     assert 0 < float(out.heatmap.min()) and float(out.heatmap.max()) < 1
+
+
+# --------------------------------------------------------------------------------------
+# end to end: `segment` and `segment-eval` with model=flux_tiny
+# --------------------------------------------------------------------------------------
+
+
+def _compose(name, overrides):
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(version_base="1.3", config_module="segment.configs"):
+        return compose(name, overrides=list(overrides))
+
+
+def test_model_configs_compose_and_flux_tiny_instantiates():
+    from hydra.utils import instantiate
+
+    for name, target in (("flux_schnell", "flux_pretrained"), ("flux_dev", "flux_pretrained"),
+                         ("flux_tiny", "flux_tiny")):
+        cfg = _compose("segment", [f"model={name}", "device=cpu"])
+        assert cfg.model._target_.endswith(target)
+    dev = _compose("segment", ["model=flux_dev"]).model
+    assert dev.max_sequence_length == 512 and dev.guidance == 3.5
+    assert dev.repo_id == "black-forest-labs/FLUX.1-dev"
+    bb = instantiate(_compose("segment", ["model=flux_tiny", "device=cpu"]).model)
+    assert bb.num_layers == 4 and bb.grid_size() == (8, 8) and bb.noise_level() == 0.5
+
+
+def test_segment_end_to_end_flux_tiny(tmp_path):
+    from segment.pipeline import run_segment
+
+    out = tmp_path / "out"
+    cfg = _compose("segment", [f"output='{out}'", "model=flux_tiny", "method=bounce",
+                               "device=cpu", "progress=false", "batch_size=3",
+                               "render.fsync=false", "num_workers=1"])
+    assert run_segment(cfg) == 0  # the bundled examples, class word: model.default_class
+    masks = sorted(p.name for p in (out / "masks").glob("*.png"))
+    assert masks == ["astronaut.png", "chelsea.png", "coffee.png"]
+    assert (out / "run.json").is_file()
+
+
+def test_segment_eval_flux_experiment_end_to_end(tmp_path, monkeypatch):
+    import json
+
+    import numpy as np
+    from test_datasets import write_gtsegs
+
+    from segment.eval.runner import run_eval
+    from segment.models.flux import FluxBackbone
+
+    rng = np.random.default_rng(0)
+    sizes = [(40, 56), (48, 32), (36, 36)]
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
+    masks = [rng.random((h, w)) > 0.5 for h, w in sizes]
+    mat = tmp_path / "gtsegs_ijcv.mat"
+    write_gtsegs(mat, images, masks, ["n02084071", "n01443537", "n07747607"])
+    seen = []
+    extract = FluxBackbone.extract
+
+    def spy(self, pixels, capture, *, prompts=None):
+        seen.append((list(prompts), capture))
+        return extract(self, pixels, capture, prompts=prompts)
+
+    monkeypatch.setattr(FluxBackbone, "extract", spy)
+    out = tmp_path / "eval"
+    tiny_layers = [f"{k}.layers=[0,1]" for k in (
+        "method", "methods.concept_attention", "methods.tokenrank", "methods.cross_attention")]
+    cfg = _compose("eval", ["experiment=flux_imagenet_seg", "model=flux_tiny", f"dataset.root={mat}",
+                            "device=cpu", "progress=false", f"output={out}", "model.seeds=[0,1]",
+                            "batch_size=2", "panels=1", *tiny_layers])
+    assert run_eval(cfg) == 0
+    rows = json.loads((out / "results.json").read_text())
+    assert [r["method"] for r in rows] == ["flux_bounce2", "concept_attention", "tokenrank",
+                                           "cross_attention"]
+    for r in rows:
+        assert r["images"] == 3
+        assert all(0.0 <= r[k] <= 100.0 for k in r if k not in ("method", "images"))
+    # class names are the prompts; one union capture: heads fused, blocks averaged on the fly
+    assert [p for batch, _ in seen for p in batch][0] == "dog" and len(seen) == 2
+    assert seen[0][1] == Capture(layers=(0, 1), heads="mean", average_layers=True)
+
+
+def test_pooled_prompt_zeros_reaches_the_transformer():
+    bb = flux_tiny(image_size=32, vae_size=64, device="cpu", concepts=(), pooled_prompt="zeros")
+    seen = {}
+    h = bb.transformer.register_forward_pre_hook(lambda m, a, k: seen.update(k), with_kwargs=True)
+    try:
+        bb.extract(bb.collate([_rgb(32, 32)]), Capture(layers=(0,)), prompts=["dog"])
+    finally:
+        h.remove()
+    assert torch.equal(seen["pooled_projections"], torch.zeros(1, 32))
+    with pytest.raises(ValueError, match="pooled_prompt"):
+        flux_tiny(image_size=32, vae_size=64, device="cpu", pooled_prompt="mean")
