@@ -1,0 +1,446 @@
+"""Heatmap segmentation methods: attention chains read from an :class:`AttentionRecord`.
+
+A method says what it needs from the backbone (:meth:`Method.capture`) and turns the
+record into a foreground heatmap on the patch grid (:meth:`Method.__call__`,
+``MethodOutput.heatmap`` of shape ``(B, h, w)``); masks follow protocol §3 in
+:mod:`segment.masks`. Methods read only the record: the start tokens come from
+:meth:`AttentionRecord.queries` (the CLS token for a ViT, the class word's text tokens for
+FLUX) and the grid from ``record.layout.patches``, so the same methods run on any backbone.
+
+Definitions (``A`` one layer's ``(N, N)`` attention of one head, ``s`` the start
+distribution: uniform over the query tokens, e.g. one-hot on CLS; ``P`` the *patch chain*:
+``A`` restricted to grid tokens, rows renormalised (a row with no mass left becomes
+uniform); ``pi`` restricted to the grid is written ``[.]_grid``):
+
+* ``cls_attention``: ``[s^T A]_grid``, the CLS row over the patches (not renormalised).
+* ``rollout`` (Abnar & Zuidema 2020, the baseline): per layer ``Â_l = rownorm((1-r) A_l +
+  r I)`` (``r = 0.5``), ``R = Â_{L-1} ... Â_1 Â_0`` (the product that maps input tokens to
+  the last layer's tokens), heatmap ``[s^T R]_grid``.
+* ``bounce`` with ``steps = n``: ``v_1 = [s^T A]_grid / sum([s^T A]_grid)`` (the first
+  bounce, renormalised over the grid), ``v_{k+1}^T = v_k^T P``; heatmap ``v_n``. ``n = 1`` is
+  the renormalised CLS row, ``n = 2`` adds indirect paths ``CLS -> k -> j`` inside the image.
+* ``tokenrank``: the stationary distribution of the damped patch chain
+  ``alpha P + (1 - alpha) 11^T / n`` (:func:`segment.markov.tokenrank`).
+
+Heads (the ``heads`` knob: ``mean`` = uniform weights ``w_h = 1/H``, ``lambda2`` = weights
+proportional to ``|lambda_2|`` of each head's patch chain ``P_h``, protocol §1) are combined
+at one of three points, the ``fuse`` knob of ``bounce`` and ``tokenrank``:
+
+* ``attention``: the raw attention ``sum_h w_h A_h`` (all tokens) is fused first and the
+  method runs once on it. The backbone can fuse while it runs (``Capture.heads``), so a
+  run holds ``H = 1``: the memory-light choice. ``cls_attention`` and ``rollout`` always
+  fuse here (for ``cls_attention`` every order gives the same map, selection being linear).
+* ``chain``: every head's patch chain ``P_h`` and first bounce ``v_1,h`` are built (prefix
+  removed, renormalised per head), then ``P = sum_h w_h P_h``, ``v_1 = sum_h w_h v_1,h``,
+  and the method runs once. The default of ``tokenrank`` (``tokenrank_last_*`` of
+  ``ecssd-dev/REFERENCE.md``).
+* ``output``: the method runs on every head and the heads' heatmaps are combined with
+  ``w_h``. The default of ``bounce`` (``cls_2bounce_*`` of ``REFERENCE.md``).
+
+``chain`` and ``output`` need every head captured (``Capture.heads = "keep"``).
+
+Layers: ``layers`` selects layers (negative indices count from the end, ``null`` = all).
+With several layers, ``average_layers: true`` averages the chosen layers' attention first
+(head-fused for ``fuse: attention``, per head otherwise) and runs the method once (the
+backbone can average on the fly); ``false`` runs the method on each layer and averages the
+heatmaps. ``rollout`` instead multiplies the selected layers (``average_layers`` is refused
+there).
+
+The same record can serve several methods: the evaluator captures
+``Capture.union`` of their captures once. A method then fuses heads and averages layers
+itself when the record holds them separately, and refuses (clear error) a record whose
+reduction cannot give its answer (heads fused when it needs them kept, or layers averaged
+differently).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+import torch
+from torch import Tensor
+
+from segment import markov
+from segment.masks import MethodOutput
+from segment.record import AttentionRecord, Capture, TokenLayout
+from segment.reduce import fuse_layer
+
+__all__ = [
+    "Bounce",
+    "ClsAttention",
+    "Method",
+    "Rollout",
+    "TokenRank",
+    "grid_weights",
+    "patch_chain",
+    "start_distribution",
+]
+
+_HEADS = ("mean", "lambda2")
+_FUSE = ("attention", "chain", "output")
+
+
+# --------------------------------------------------------------------------------------
+# helpers shared by the methods
+# --------------------------------------------------------------------------------------
+
+
+def start_distribution(record: AttentionRecord, num_tokens: int, dtype: torch.dtype,
+                       device: torch.device) -> Tensor:
+    """``(B, N)`` start mass: uniform over each image's query tokens (ViT: one-hot CLS)."""
+    queries = record.queries()
+    b = record.batch_size
+    if len(queries) != b:
+        raise ValueError(f"record has {len(queries)} query lists for a batch of {b}")
+    s = torch.zeros(b, num_tokens, dtype=dtype, device=device)
+    for i, q in enumerate(queries):
+        idx = torch.as_tensor(list(q), dtype=torch.long, device=device)
+        if idx.numel() == 0 or bool(((idx < 0) | (idx >= num_tokens)).any()):
+            raise ValueError(f"query tokens of image {i} must lie in [0, {num_tokens}), got {list(q)}")
+        s[i, idx] = 1.0 / idx.numel()
+    return s
+
+
+def patch_chain(attn: Tensor, layout: TokenLayout) -> Tensor:
+    """The chain over grid tokens: ``attn[..., grid, grid]`` with rows renormalised.
+
+    Args:
+        attn: ``(..., N, N)`` attention over ``[prefix][grid][suffix]``.
+        layout: where the grid tokens are.
+
+    Returns:
+        ``(..., h*w, h*w)`` row-stochastic; rows that attended only to non-grid tokens
+        become uniform.
+    """
+    g = layout.patches
+    return markov.strip_prefix(attn[..., g, g], 0, zero_rows="uniform")
+
+
+def grid_weights(chain: Tensor, heads: str) -> Tensor:
+    """Head weights ``(B, H)`` from patch chains ``(B, H, n, n)``.
+
+    ``"mean"``: ``1 / H``; ``"lambda2"``: ``|lambda_2,h| / sum_g |lambda_2,g|`` (protocol §1).
+    """
+    b, h = chain.shape[:2]
+    if heads == "mean":
+        return torch.full((b, h), 1.0 / h, dtype=chain.dtype, device=chain.device)
+    if heads == "lambda2":
+        lam = markov.lambda2(chain).to(chain.dtype)  # (B, H)
+        return markov.head_weights(lam, "lambda2")
+    raise ValueError(f"heads must be one of {_HEADS}, got {heads!r}")
+
+
+def _grid_part(v: Tensor, layout: TokenLayout) -> Tensor:
+    """``(..., N)`` token scores -> ``(..., h*w)`` grid part."""
+    return v[..., layout.patches]
+
+
+def _renorm(v: Tensor) -> Tensor:
+    """Normalise ``(..., n)`` to sum 1; an all-zero vector becomes uniform."""
+    s = v.sum(-1, keepdim=True)
+    uniform = torch.full_like(v, 1.0 / v.shape[-1])
+    return torch.where(s > 0, v / s.clamp_min(torch.finfo(v.dtype).tiny), uniform)
+
+
+def _as_compute(x: Tensor) -> Tensor:
+    return x.to(markov.compute_dtype(x.dtype))
+
+
+# --------------------------------------------------------------------------------------
+# the interface
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Method(abc.ABC):
+    """A heatmap method over attention records.
+
+    Attributes:
+        name: name in tables and manifests.
+        layers: layer indices (negative from the end); ``None`` = all layers.
+        heads: head fusion, ``"mean"`` or ``"lambda2"``.
+        average_layers: average the selected layers' chains before the method (``True``) or
+            average the per-layer heatmaps (``False``).
+    """
+
+    name: str = "method"
+    layers: Sequence[int] | int | None = (-1,)
+    heads: str = "mean"
+    average_layers: bool = False
+
+    def __post_init__(self) -> None:
+        if self.layers is not None:
+            layers = (self.layers,) if isinstance(self.layers, int) else tuple(self.layers)
+            if not layers:
+                raise ValueError(f"{self.name}: layers must be a non-empty list or null (= all)")
+            self.layers = tuple(int(i) for i in layers)
+        if self.heads not in _HEADS:
+            raise ValueError(f"{self.name}: heads must be one of {_HEADS}, got {self.heads!r}")
+        self.average_layers = bool(self.average_layers)
+
+    # what the backbone must capture -----------------------------------------------------
+
+    @property
+    def _fuse_first(self) -> bool:
+        """Whether heads are fused into the chain before the method (a capture may fuse)."""
+        return True
+
+    def capture(self, num_layers: int) -> Capture:
+        """The smallest :class:`Capture` this method needs on a ``num_layers`` backbone."""
+        layers = Capture(layers=self.layers).resolve(num_layers)
+        return Capture(
+            layers=layers,
+            heads=self.heads if self._fuse_first else "keep",
+            average_layers=self.average_layers and len(layers) > 1,
+        )
+
+    # the heatmap --------------------------------------------------------------------------
+
+    def __call__(self, record: AttentionRecord) -> MethodOutput:
+        """Heatmap ``(B, h, w)`` on the record's patch grid."""
+        chains = self._inputs(record)
+        heat = torch.stack([self._heat(a, record) for a in chains]).mean(0)  # (B, h*w)
+        h, w = record.layout.grid
+        return MethodOutput(heatmap=heat.reshape(heat.shape[0], h, w))
+
+    @abc.abstractmethod
+    def _heat(self, attn: Tensor, record: AttentionRecord) -> Tensor:
+        """``(B, H', N, N)`` chain(s) of one (averaged) layer -> ``(B, h*w)`` heatmap."""
+
+    # reading the record -------------------------------------------------------------------
+
+    def _resolve(self, record: AttentionRecord) -> tuple[int, ...]:
+        n = record.num_layers
+        if n is None:
+            if self.layers is None or any(i < 0 for i in self.layers):
+                raise ValueError(
+                    f"{self.name}: layers {self.layers} need the backbone's depth, but the"
+                    " record has no num_layers; build it with AttentionReducer"
+                )
+            return tuple(sorted(set(self.layers)))
+        return Capture(layers=self.layers).resolve(n)
+
+    def _check_heads(self, record: AttentionRecord, layer: int, attn: Tensor) -> None:
+        """Refuse heads fused while capturing when this method cannot use them."""
+        w = record.head_weights.get(layer)
+        if attn.shape[1] != 1 or w is None or w.shape[-1] < 2:
+            return
+        uniform = bool(torch.allclose(w, torch.full_like(w, 1.0 / w.shape[-1])))
+        scheme = "mean" if uniform else "lambda2"
+        if not self._fuse_first:
+            raise ValueError(
+                f"{self.name}: fuse={getattr(self, 'fuse', None)} needs every head, but the"
+                f" heads of layer {layer} were fused while capturing ({scheme}); capture with"
+                " Capture(heads='keep'), e.g. method.capture(num_layers) or Capture.union"
+            )
+        if scheme != self.heads:
+            raise ValueError(
+                f"{self.name}: needs heads={self.heads}, but layer {layer} was captured with"
+                f" heads fused by {scheme}; capture with method.capture(num_layers)"
+            )
+
+    def _fused(self, attn: Tensor, layout: TokenLayout) -> Tensor:
+        """``(B, H, N, N)`` -> ``(B, 1, N, N)`` when this method fuses the chain first."""
+        attn = _as_compute(attn)
+        if not self._fuse_first or attn.shape[1] == 1:
+            return attn
+        return fuse_layer(attn, self.heads, layout)[0]
+
+    def _inputs(self, record: AttentionRecord) -> list[Tensor]:
+        """The chains to run on: one per selected layer, or one averaged."""
+        layers = self._resolve(record)
+        layout = record.layout
+        if record.averaged_layers is not None:
+            got = tuple(record.averaged_layers)
+            if got != layers or (len(got) > 1 and not self.average_layers):
+                raise ValueError(
+                    f"{self.name}: the record holds layers {got} averaged into one; this method"
+                    f" needs layers {layers} {'averaged' if self.average_layers else 'separately'}"
+                )
+            a = record.attn[got[0]]
+            self._check_heads(record, got[0], a)
+            return [self._fused(a, layout)]
+        missing = [i for i in layers if i not in record.attn]
+        if missing:
+            raise ValueError(
+                f"{self.name}: layers {missing} were not captured (record has {record.layers});"
+                " capture with method.capture(num_layers)"
+            )
+        mats = []
+        for i in layers:
+            self._check_heads(record, i, record.attn[i])
+            mats.append(self._fused(record.attn[i], layout))
+        if self.average_layers and len(mats) > 1:
+            heads = {m.shape[1] for m in mats}
+            if len(heads) > 1:
+                raise ValueError(f"{self.name}: layers {layers} have different head counts {heads}")
+            return [torch.stack(mats).mean(0)]
+        return mats
+
+
+# --------------------------------------------------------------------------------------
+# the methods
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class ClsAttention(Method):
+    """CLS attention: the query tokens' attention row over the patches (``[s^T A]_grid``).
+
+    Heads are fused by ``heads`` (equal to fusing the rows, selection being linear).
+    """
+
+    name: str = "cls_attention"
+
+    def _heat(self, attn: Tensor, record: AttentionRecord) -> Tensor:
+        s = start_distribution(record, attn.shape[-1], attn.dtype, attn.device)
+        rows = torch.einsum("bn,bhnm->bhm", s, attn)  # (B, 1, N)
+        return _grid_part(rows[:, 0], record.layout)
+
+
+@dataclass
+class Rollout(Method):
+    """Attention rollout (baseline): ``[s^T Â_{L-1} ... Â_0]_grid``.
+
+    Attributes:
+        residual: weight ``r`` of the identity in ``Â = rownorm((1 - r) A + r I)``.
+    """
+
+    name: str = "rollout"
+    layers: Sequence[int] | int | None = None
+    residual: float = 0.5
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.average_layers:
+            raise ValueError("rollout multiplies its layers; average_layers must be false")
+        if not 0.0 <= float(self.residual) < 1.0:
+            raise ValueError(f"rollout: residual must lie in [0, 1), got {self.residual}")
+
+    def __call__(self, record: AttentionRecord) -> MethodOutput:
+        mats = self._inputs(record)  # ascending layers, each (B, 1, N, N)
+        layout = record.layout
+        n = mats[0].shape[-1]
+        v = start_distribution(record, n, mats[0].dtype, mats[0].device)  # (B, N)
+        r = float(self.residual)
+        for a in reversed(mats):  # s^T Â_{L-1} first, down to Â_0
+            a = a[:, 0]
+            hat = (1 - r) * a + r * torch.eye(n, dtype=a.dtype, device=a.device)
+            hat = hat / hat.sum(-1, keepdim=True)
+            v = torch.einsum("bn,bnm->bm", v, hat)
+        h, w = layout.grid
+        return MethodOutput(heatmap=_grid_part(v, layout).reshape(v.shape[0], h, w))
+
+    def _heat(self, attn: Tensor, record: AttentionRecord) -> Tensor:  # pragma: no cover
+        raise NotImplementedError("rollout combines its layers in __call__")
+
+
+@dataclass
+class _ChainMethod(Method):
+    """A method run on the patch chain ``P`` and the first bounce ``v_1`` (see module doc).
+
+    Attributes:
+        fuse: where heads are combined: ``"attention"`` (the raw ``(N, N)`` attention,
+            before ``P`` and ``v_1`` are built; a capture may fuse on the fly),
+            ``"chain"`` (``P = sum_h w_h P_h`` and ``v_1 = sum_h w_h v_1,h`` from each head's
+            own patch chain and renormalised first bounce) or ``"output"`` (the method runs on
+            every head and the heads' heatmaps are combined).
+    """
+
+    fuse: str = "output"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.fuse not in _FUSE:
+            raise ValueError(f"{self.name}: fuse must be one of {_FUSE}, got {self.fuse!r}")
+
+    @property
+    def _fuse_first(self) -> bool:
+        return self.fuse == "attention"
+
+    @abc.abstractmethod
+    def _run(self, v1: Tensor, chain: Tensor) -> Tensor:
+        """``v_1`` ``(B, H', n)`` and patch chains ``(B, H', n, n)`` -> ``(B, H', n)``."""
+
+    def _heat(self, attn: Tensor, record: AttentionRecord) -> Tensor:
+        layout = record.layout
+        s = start_distribution(record, attn.shape[-1], attn.dtype, attn.device)
+        v1 = _renorm(_grid_part(torch.einsum("bn,bhnm->bhm", s, attn), layout))  # (B, H, n)
+        chain = patch_chain(attn, layout)  # (B, H, n, n)
+        if chain.shape[1] == 1:
+            return self._run(v1, chain)[:, 0]
+        w = grid_weights(chain, self.heads)  # (B, H)
+        if self.fuse == "chain":
+            chain = markov.fuse_heads(chain, w).unsqueeze(1)
+            v1 = (w.unsqueeze(-1) * v1).sum(1, keepdim=True)
+            return self._run(v1, chain)[:, 0]
+        return (w.unsqueeze(-1) * self._run(v1, chain)).sum(1)  # fuse == "output"
+
+
+@dataclass
+class Bounce(_ChainMethod):
+    """``steps`` bounces from the query tokens, all but the first on the patch chain.
+
+    ``v_1 = rownorm([s^T A]_grid)``, ``v_{k+1}^T = v_k^T P``, heatmap ``v_steps`` (module
+    docstring). The default ``fuse: output`` runs per head and fuses the heads' ``v_steps``
+    (``cls_2bounce_*`` of ecssd-dev/REFERENCE.md).
+
+    Attributes:
+        steps: number of bounces ``n >= 1``.
+    """
+
+    name: str = "bounce"
+    steps: int = 2
+    fuse: str = "output"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if int(self.steps) < 1:
+            raise ValueError(f"{self.name}: steps must be >= 1, got {self.steps}")
+        self.steps = int(self.steps)
+
+    def _run(self, v1: Tensor, chain: Tensor) -> Tensor:
+        if self.steps == 1:
+            return v1
+        # v_1 P^(steps-1): bounce() from the start masses v_1, (B, H', 1, n)
+        return markov.bounce(chain, v1.unsqueeze(-2), steps=self.steps - 1).last[..., 0, :]
+
+
+@dataclass
+class TokenRank(_ChainMethod):
+    """TokenRank: stationary distribution of the damped patch chain.
+
+    The default ``fuse: chain`` takes the stationary vector of ``sum_h w_h P_h``
+    (``tokenrank_last_*`` of ecssd-dev/REFERENCE.md); ``output`` averages the per-head
+    stationary vectors; ``attention`` uses the patch chain of the fused attention.
+
+    Attributes:
+        alpha: damping in ``(0, 1]`` (reference 0.99).
+        tol: L1 stopping tolerance of the power iteration.
+        max_iter: power steps at most.
+        direction: ``"incoming"`` (who receives attention) or ``"outgoing"``.
+    """
+
+    name: str = "tokenrank"
+    fuse: str = "chain"
+    alpha: float = 0.99
+    tol: float = 1e-6
+    max_iter: int = 200
+    direction: str = "incoming"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.alpha = markov.validate_alpha(self.alpha)
+        if self.direction not in ("incoming", "outgoing"):
+            raise ValueError(f"{self.name}: direction must be incoming/outgoing, got {self.direction!r}")
+        if int(self.max_iter) < 1 or not float(self.tol) > 0:
+            raise ValueError(
+                f"{self.name}: need max_iter >= 1 and tol > 0, got {self.max_iter}, {self.tol}"
+            )
+
+    def _run(self, v1: Tensor, chain: Tensor) -> Tensor:
+        return markov.tokenrank(
+            chain, alpha=self.alpha, tol=float(self.tol), max_iter=int(self.max_iter),
+            direction=self.direction,
+        )
