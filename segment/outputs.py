@@ -4,7 +4,8 @@ Layout of an output folder (``<name>`` keeps the image's sub-folders, see
 :func:`segment.io.output_names`)::
 
     masks/<name>.png       0/255 foreground mask, original resolution (8-bit grey)
-    heatmaps/<name>.png    colour-mapped heatmap R in [0, 1], original resolution
+    heatmaps/<name>.png    heatmap R, original resolution: indexed PNG, index round(255 R),
+                           palette = the colour map (viewers show colours, R is recoverable)
     overlays/<name>.jpg    the image with the mask (or the coloured regions) drawn on it
     labels/<name>.png      region ids as an indexed PNG (multi-region methods only)
     gallery/<kind>/<name>.jpg   small thumbnails used by index.html
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import colorsys
 import html
+import io
 import json
 import os
 import platform
@@ -175,10 +177,32 @@ def palette(k: int) -> np.ndarray:
     return (np.asarray(cols, dtype=np.float64).reshape(k, 3) * 255).round().astype(np.uint8)
 
 
+def colormap_lut(colormap: str = "inferno") -> np.ndarray:
+    """``(256, 3)`` uint8 RGB colours of an OpenCV colour map."""
+    ramp = np.arange(256, dtype=np.uint8).reshape(256, 1)
+    return np.ascontiguousarray(cv2.applyColorMap(ramp, colormap_id(colormap))[:, 0, ::-1])
+
+
+def quantize(heatmap: np.ndarray) -> np.ndarray:
+    """``(H, W)`` values in ``[0, 1]`` -> uint8 ``round(255 * R)``."""
+    return np.clip(np.rint(heatmap * 255.0), 0, 255).astype(np.uint8)
+
+
 def colorize(heatmap: np.ndarray, colormap: str = "inferno") -> np.ndarray:
     """``(H, W)`` values in ``[0, 1]`` -> ``(H, W, 3)`` uint8 RGB through a colour map."""
-    u8 = np.clip(np.rint(heatmap * 255.0), 0, 255).astype(np.uint8)
-    return cv2.applyColorMap(u8, colormap_id(colormap))[..., ::-1]
+    return colormap_lut(colormap)[quantize(heatmap)]
+
+
+def heatmap_image(heatmap: np.ndarray, colormap: str = "inferno") -> Image.Image:
+    """The heatmap as an indexed image: index ``round(255 * R)``, palette = the colour map.
+
+    Viewers show the colours; ``np.asarray(Image.open(path)) / 255`` gives ``R`` back (to
+    1/255), and the file is a third of an RGB PNG's size.
+    """
+    u8 = quantize(heatmap)
+    im = Image.frombytes("P", (u8.shape[1], u8.shape[0]), np.ascontiguousarray(u8).tobytes())
+    im.putpalette(colormap_lut(colormap).tobytes())
+    return im
 
 
 def _line_width(size: tuple[int, int]) -> int:
@@ -192,26 +216,29 @@ def overlay(image: np.ndarray, seg: Segmentation, alpha: float = 0.6) -> np.ndar
     each region tinted with its palette colour (background regions also darkened), region
     borders in black and the foreground outline in white.
     """
-    img = image.astype(np.float32)
     width = _line_width(seg.size)
+    mask_u8 = seg.mask.astype(np.uint8)
     if seg.labels is None:
-        out = np.where(seg.mask[..., None], img, img * (1.0 - alpha))
+        out = cv2.convertScaleAbs(image, alpha=1.0 - alpha)  # darkened copy (uint8)
+        cv2.copyTo(image, mask_u8, out)  # foreground as it was
         colour = (0, 255, 0)
     else:
         k = max(int(seg.labels.max()) + 1, len(seg.foreground))
-        tint = palette(k)[seg.labels].astype(np.float32)
-        out = img * (1.0 - alpha) + tint * alpha
-        out = np.where(seg.mask[..., None], out, out * (1.0 - alpha / 2))
+        tint = palette(k)[seg.labels]
+        out = cv2.addWeighted(image, 1.0 - alpha, tint, alpha, 0.0)
+        dark = cv2.convertScaleAbs(out, alpha=1.0 - alpha / 2)
+        cv2.copyTo(out, mask_u8, dark)
+        out = dark
         lab = seg.labels
         edge = np.zeros(lab.shape, bool)
         edge[:, 1:] |= lab[:, 1:] != lab[:, :-1]
         edge[1:, :] |= lab[1:, :] != lab[:-1, :]
         if width > 1:
             edge = cv2.dilate(edge.astype(np.uint8), np.ones((width, width), np.uint8)) > 0
-        out[edge] = 0.0
+        out[edge] = 0
         colour = (255, 255, 255)
-    out = np.ascontiguousarray(np.clip(out, 0, 255).astype(np.uint8))
-    contours, _ = cv2.findContours(seg.mask.astype(np.uint8), cv2.RETR_LIST, cv2.CHAIN_APPROX_SIMPLE)
+    out = np.ascontiguousarray(out)
+    contours, _ = cv2.findContours(mask_u8, cv2.RETR_LIST, cv2.CHAIN_APPROX_SIMPLE)
     cv2.drawContours(out, contours, -1, colour, width)
     return out
 
@@ -246,11 +273,18 @@ def thumbnail(rgb: np.ndarray, size: int) -> np.ndarray:
 
 
 def _encode(ext: str, rgb_or_grey: np.ndarray, params: list[int]) -> bytes:
-    a = rgb_or_grey[..., ::-1] if rgb_or_grey.ndim == 3 else rgb_or_grey  # RGB -> BGR
-    ok, buf = cv2.imencode(ext, np.ascontiguousarray(a), params)
+    a = cv2.cvtColor(rgb_or_grey, cv2.COLOR_RGB2BGR) if rgb_or_grey.ndim == 3 else rgb_or_grey
+    ok, buf = cv2.imencode(ext, a, params)
     if not ok:
         raise OSError(f"could not encode a {ext} image of shape {a.shape}")
     return buf.tobytes()
+
+
+def _png(im: Image.Image, opts: RenderOptions) -> bytes:
+    """PNG bytes of a Pillow image (Pillow's encoder: fastest here for 8-bit and palette)."""
+    buf = io.BytesIO()
+    im.save(buf, format="PNG", compress_level=opts.png_compression)
+    return buf.getvalue()
 
 
 def write_file(path: Path, data: bytes, fsync: bool = True) -> None:
@@ -372,34 +406,37 @@ def write_image(
         raise ValueError(f"image {image.shape[:2]} and segmentation {seg.size} sizes differ for {name!r}")
     # an old record must not vouch for files that are about to be replaced
     (root / rel_output("record", name)).unlink(missing_ok=True)
-    png = [cv2.IMWRITE_PNG_COMPRESSION, opts.png_compression]
     jpg = [cv2.IMWRITE_JPEG_QUALITY, opts.jpeg_quality]
-    heat_rgb = colorize(seg.heatmap, opts.colormap)
-    over = overlay(image, seg, opts.overlay_alpha)
+    thumb_jpg = [cv2.IMWRITE_JPEG_QUALITY, 85]
+    lut = colormap_lut(opts.colormap)
     mask_u8 = seg.mask.astype(np.uint8) * 255
+    over = overlay(image, seg, opts.overlay_alpha)
     files: dict[str, bytes] = {
-        "mask": _encode(".png", mask_u8, png),
-        "heatmap": _encode(".png", heat_rgb, png),
+        "mask": _png(Image.frombytes("L", (mask_u8.shape[1], mask_u8.shape[0]), mask_u8.tobytes()), opts),
+        "heatmap": _png(heatmap_image(seg.heatmap, opts.colormap), opts),
         "overlay": _encode(".jpg", over, jpg),
     }
-    thumbs = {"image": image, "heatmap": heat_rgb, "mask": mask_u8, "overlay": over}
+    # thumbnails: shrink first, colour after (cheap at any image size)
+    thumbs = {
+        "image": thumbnail(image, opts.thumb_size),
+        "heatmap": lut[quantize(thumbnail(seg.heatmap.astype(np.float32), opts.thumb_size))],
+        "mask": thumbnail(mask_u8, opts.thumb_size),
+        "overlay": thumbnail(over, opts.thumb_size),
+    }
     num_regions = None
     if seg.labels is not None:
         k = max(int(seg.labels.max()) + 1, len(seg.foreground))
         num_regions = int(len(np.unique(seg.labels)))
-        im = label_image(seg.labels, k)
-        with atomic_path(root / rel_output("labels", name)) as tmp:
-            im.save(tmp, format="PNG", compress_level=opts.png_compression)
-        thumbs["labels"] = palette(k)[seg.labels] if k <= 4096 else colorize(seg.labels / max(k - 1, 1))
+        files["labels"] = _png(label_image(seg.labels, k), opts)
+        small = cv2.resize(seg.labels.astype(np.float32), thumbs["mask"].shape[::-1],
+                           interpolation=cv2.INTER_NEAREST).astype(np.int64)
+        thumbs["labels"] = palette(k)[small] if k <= 65536 else colorize(small / max(k - 1, 1))
     outputs = {kind: rel_output(kind, name) for kind in files}
-    if seg.labels is not None:
-        outputs["labels"] = rel_output("labels", name)
     for kind, data in files.items():
         write_file(root / outputs[kind], data, opts.fsync)
-    for col, arr in thumbs.items():
-        small = thumbnail(arr, opts.thumb_size)
+    for col, small in thumbs.items():
         rel = rel_output(f"thumb/{col}", name)
-        write_file(root / rel, _encode(".jpg", small, [cv2.IMWRITE_JPEG_QUALITY, 85]), opts.fsync)
+        write_file(root / rel, _encode(".jpg", small, thumb_jpg), opts.fsync)
         outputs[f"thumb/{col}"] = rel
     rec = ImageRecord(
         name=name,

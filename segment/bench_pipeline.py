@@ -1,0 +1,225 @@
+"""Benchmark: throughput of the whole ``segment`` pipeline against a bare fused forward.
+
+``python -m segment.bench pipeline [options] [hydra overrides]``
+
+Both are measured in the same process, on the same images, with the same backbone object,
+batch size and thread count, interleaved (bare, pipeline, bare, pipeline, ...) so that a
+busy machine slows both alike; the medians are reported.
+
+- **bare forward**: ``backbone.forward_plain`` (fused attention everywhere, nothing
+  captured) on batches of already preprocessed images; decoding and resizing are not
+  counted. This is the speed of the model alone.
+- **pipeline**: :class:`segment.pipeline.SegmentRun` on a folder of the same images into a
+  fresh output folder: listing, decoding, EXIF, preprocessing, attention capture, the
+  method, protocol post-processing at the original resolution, every output file, per-image
+  records, ``annotations.json``, ``index.html`` and ``run.json``. Only building the model is
+  left out (done once, before timing).
+
+The target of issue 3 is ``pipeline >= 0.75 x bare``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DEFAULT_CKPT = "weights/dinov2_vits14.safetensors"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m segment.bench pipeline",
+        description="images/s of the whole segment pipeline vs a bare fused forward of the same model",
+    )
+    p.add_argument("--input", type=Path, default=None,
+                   help="folder of images (default: the bundled examples, repeated to --images)")
+    p.add_argument("--images", type=int, default=48, help="number of images (default 48)")
+    p.add_argument("--model", default="dinov2_vits14", help="model config name (configs/model)")
+    p.add_argument("--method", default="cls_attention", help="method config name (configs/method)")
+    p.add_argument("--checkpoint", default=None,
+                   help=f"local weights; default: $SEGMENT_SHARED/{_DEFAULT_CKPT} when present,"
+                        " else random weights (same compute)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--workers", type=int, default=None, help="segment num_workers (default: config)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (median)")
+    p.add_argument("--json", type=Path, default=None, help="also write the result here")
+    p.add_argument("--config-dir", type=Path, default=None,
+                   help="a config folder instead of the packaged segment.configs")
+    p.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. model.image_size=448")
+    return p
+
+
+def _compose(args: argparse.Namespace, overrides: list[str]):
+    from hydra import compose, initialize_config_dir, initialize_config_module
+
+    if args.config_dir is not None:
+        ctx = initialize_config_dir(version_base="1.3", config_dir=str(args.config_dir.resolve()))
+    else:
+        ctx = initialize_config_module(version_base="1.3", config_module="segment.configs")
+    with ctx:
+        return compose("segment", overrides=overrides)
+
+
+def _prepare_input(args: argparse.Namespace, tmp: Path) -> Path:
+    """The benchmark folder: ``--input`` as is (first ``--images`` files), or the bundled
+    examples copied round-robin to ``--images`` files."""
+    from segment.io import bundled_examples, find_images
+
+    dst = tmp / "images"
+    dst.mkdir()
+    if args.input is not None:
+        files = find_images(args.input).files[: args.images]
+    else:
+        with bundled_examples() as ex:
+            base = find_images(ex).files
+            files = [base[i % len(base)] for i in range(args.images)]
+            for i, f in enumerate(files):
+                shutil.copyfile(f.path, dst / f"{i:04d}_{f.path.name}")
+            return dst
+    for i, f in enumerate(files):
+        shutil.copyfile(f.path, dst / f"{i:04d}_{f.path.name}")
+    return dst
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure; returns the result dict (also printed by :func:`main`)."""
+    from hydra.utils import instantiate
+
+    from segment.io import find_images, read_image
+    from segment.pipeline import SegmentRun
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ckpt = args.checkpoint
+    if ckpt is None and os.environ.get("SEGMENT_SHARED"):
+        cand = Path(os.environ["SEGMENT_SHARED"]) / _DEFAULT_CKPT
+        ckpt = str(cand) if cand.is_file() and args.model == "dinov2_vits14" else None
+    base = [f"model={args.model}", f"method={args.method}", f"device={args.device}",
+            f"batch_size={args.batch_size}", "progress=false", "overwrite=true"]
+    if args.workers is not None:
+        base.append(f"num_workers={args.workers}")
+    base += [f"model.checkpoint='{ckpt}'"] if ckpt else ["model.pretrained=false"]
+    base += list(args.overrides)
+
+    with tempfile.TemporaryDirectory(prefix="segment-bench-") as tmp_s:
+        tmp = Path(tmp_s)
+        src = _prepare_input(args, tmp)
+        cfg = _compose(args, base + [f"input='{src}'", f"output='{tmp / 'warmup'}'"])
+        t0 = time.perf_counter()
+        backbone = instantiate(cfg.model)
+        method = instantiate(cfg.method)
+        load_s = time.perf_counter() - t0
+        device = torch.device(getattr(backbone, "device", args.device))
+        files = find_images(src).files
+        n = len(files)
+        if n == 0:
+            raise SystemExit(f"no images under {src}")
+        pix = [backbone.preprocess(read_image(f.path).image) for f in files]
+        sizes = {tuple(p.shape) for p in pix}
+        batches = []
+        for s in sizes:  # same grouping as the pipeline: one size per batch
+            group = [p for p in pix if tuple(p.shape) == s]
+            batches += [torch.stack(group[i : i + args.batch_size]) for i in range(0, len(group), args.batch_size)]
+        if device.type == "cuda":
+            batches = [b.to(device) for b in batches]
+
+        # warm-up: both paths once (allocator, pos_embed cache, thread pools)
+        backbone.forward_plain(batches[0])
+        capture = method.capture(backbone.num_layers)
+        with torch.inference_mode():
+            method(backbone.extract(batches[0], capture))
+        _sync(device)
+
+        bare, pipe_proc, pipe_total, runs = [], [], [], []
+        bare_cpu, pipe_cpu = [], []
+        for r in range(args.repeats):
+            _sync(device)
+            c0, t0 = time.process_time(), time.perf_counter()
+            for b in batches:
+                backbone.forward_plain(b)
+            _sync(device)
+            bare.append(n / (time.perf_counter() - t0))
+            bare_cpu.append((time.process_time() - c0) / n)
+
+            out = tmp / f"out{r}"
+            cfg_r = _compose(args, base + [f"input='{src}'", f"output='{out}'"])
+            run = SegmentRun(cfg_r, backbone=backbone, method=method)
+            c0, t0 = time.process_time(), time.perf_counter()
+            code = run.run()
+            total = time.perf_counter() - t0
+            pipe_cpu.append((time.process_time() - c0) / n)
+            if code != 0:
+                raise SystemExit(f"the pipeline run failed with exit code {code}; see {out}/run.json")
+            pipe_total.append(n / total)
+            pipe_proc.append(n / run.t.processing_s)
+            runs.append({k: round(v, 4) for k, v in run.t.__dict__.items() if isinstance(v, float)})
+            shutil.rmtree(out, ignore_errors=True)
+
+    med = statistics.median
+    result = {
+        "images": n,
+        "input": str(args.input) if args.input else "bundled examples (repeated)",
+        "input_sizes": sorted({f"{p.shape[-1]}x{p.shape[-2]}" for p in pix}),
+        "model": getattr(backbone, "name", args.model),
+        "weights": ckpt or "random (same compute)",
+        "method": getattr(method, "name", args.method),
+        "device": str(device),
+        "torch_threads": torch.get_num_threads(),
+        "num_workers": cfg.get("num_workers"),
+        "batch_size": args.batch_size,
+        "model_load_s": round(load_s, 3),
+        "bare_forward_img_s": [round(v, 3) for v in bare],
+        "pipeline_img_s": [round(v, 3) for v in pipe_total],
+        "pipeline_processing_img_s": [round(v, 3) for v in pipe_proc],
+        "bare_forward_median": round(med(bare), 3),
+        "pipeline_median": round(med(pipe_total), 3),
+        "ratio": round(med(pipe_total) / med(bare), 3),
+        "bare_cpu_s_per_image": round(med(bare_cpu), 4),
+        "pipeline_cpu_s_per_image": round(med(pipe_cpu), 4),
+        "cpu_ratio": round(med(bare_cpu) / med(pipe_cpu), 3),
+        "target_ratio": 0.75,
+        "pipeline_timings": runs,
+    }
+    result["meets_target"] = result["ratio"] >= result["target_ratio"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m segment.bench pipeline``; returns 0 (measurement done)."""
+    args = _parser().parse_args(argv)
+    res = run_benchmark(args)
+    print(f"segment pipeline benchmark: {res['images']} images ({', '.join(res['input_sizes'])} model input), "
+          f"{res['model']} [{res['weights']}], {res['method']}, {res['device']}, "
+          f"{res['torch_threads']} torch threads, batch {res['batch_size']}")
+    print(f"  bare fused forward : {res['bare_forward_median']:8.2f} img/s  (runs {res['bare_forward_img_s']})")
+    print(f"  whole pipeline     : {res['pipeline_median']:8.2f} img/s  (runs {res['pipeline_img_s']})")
+    print(f"  ratio              : {res['ratio']:.3f}  (target >= {res['target_ratio']}: "
+          f"{'met' if res['meets_target'] else 'NOT met'})")
+    print(f"  CPU time per image : bare {res['bare_cpu_s_per_image']:.4f} s, pipeline "
+          f"{res['pipeline_cpu_s_per_image']:.4f} s (all threads; bare/pipeline = {res['cpu_ratio']:.3f})")
+    last = res["pipeline_timings"][-1]
+    print("  last pipeline run  : " + ", ".join(f"{k}={v}" for k, v in last.items() if v))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,561 @@
+"""The ``segment`` job: every image under a folder -> masks, heatmaps, overlays, COCO, gallery.
+
+Flow (:func:`run_segment`)::
+
+    find_images ──> plan (resume: skip images whose record is current)
+        ──> loader threads: read + EXIF + RGB + backbone.preprocess      (overlapped)
+        ──> main thread: batches of one preprocessed size -> extract -> method
+        ──> writer threads: protocol post-processing at the original size, files, record
+    ──> annotations.json, index.html, run.json from the records of every image
+
+"Done" is recorded per image by ``records/<name>.json``, written after all of that image's
+files; an image counts as done when its record exists, was made with the same model and
+method config (a fingerprint), the source file has the same size and mtime, and the files
+it lists exist. ``annotations.json`` and ``index.html`` are rebuilt from the records at the
+end of every run, so a resumed run lists every image of the input.
+
+Bad input never stops the run: each unusable file is logged with the reason, listed in the
+manifest and the gallery, and the run goes on. The exit code is 0 when at least one image is
+segmented (now or by an earlier run), 1 when none could be, 2 when the input itself is
+unusable (missing path, no images, bad settings), 130 after Ctrl-C (the files of finished
+images and the run-level files are still written).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import time
+import warnings
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from PIL import Image
+from torch import Tensor
+
+from segment.io import (
+    IMAGE_EXTENSIONS,
+    ImageFile,
+    ImageReadError,
+    InputError,
+    LoadedImage,
+    bundled_examples,
+    find_images,
+    read_image,
+)
+from segment.masks import MethodOutput
+from segment.outputs import (
+    ImageRecord,
+    RenderOptions,
+    load_record,
+    package_versions,
+    postprocess,
+    record_is_current,
+    write_coco,
+    write_gallery,
+    write_image,
+    write_manifest,
+)
+from segment.utils import resolve_device
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_NOTHING_DONE, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+@dataclass
+class _Item:
+    """One image on its way through the pipeline."""
+
+    file: ImageFile
+    source_bytes: int = 0
+    source_mtime_ns: int = 0
+    loaded: LoadedImage | None = None
+    pixels: Tensor | None = None  # (3, H, W) preprocessed
+    error: str | None = None
+    read_s: float = 0.0
+
+
+@dataclass
+class _Status:
+    """Per-image outcome, for the manifest."""
+
+    name: str
+    source: str
+    status: str  # done | resumed | failed
+    reason: str | None = None
+    seconds: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass
+class _Timings:
+    scan_s: float = 0.0
+    plan_s: float = 0.0
+    model_load_s: float = 0.0
+    processing_s: float = 0.0
+    summary_s: float = 0.0
+    read_s: float = 0.0  # summed over loader threads
+    model_s: float = 0.0  # extract + method, main thread
+    write_s: float = 0.0  # summed over writer threads
+    wait_input_s: float = 0.0  # main thread waiting for decoded images
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def config_fingerprint(cfg: DictConfig) -> str:
+    """Hash of what decides an image's outputs: the model and method configs (``device``
+    left out) and the rendering options. Records with another fingerprint are redone."""
+    def clean(node: Any) -> Any:
+        if node is None:
+            return None
+        d = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+        if isinstance(d, dict):
+            d = {k: v for k, v in d.items() if k != "device"}
+        return d
+
+    blob = {
+        "model": clean(cfg.get("model")),
+        "method": clean(cfg.get("method")),
+        "render": {k: v for k, v in (clean(cfg.get("render")) or {}).items() if k != "fsync"},
+    }
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _patch_size(backbone: Any) -> tuple[int, int]:
+    p = getattr(backbone, "patch_size", 1)
+    if isinstance(p, int):
+        return (p, p)
+    return (int(p[0]), int(p[1]))
+
+
+def _describe(e: BaseException) -> str:
+    """One line for an exception, unwrapping Hydra's instantiation wrapper."""
+    while e.__cause__ is not None and type(e).__name__ == "InstantiationException":
+        e = e.__cause__
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+
+
+def _cfg_dict(cfg: DictConfig) -> Any:
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except Exception:  # an unresolvable interpolation: keep it unresolved in the manifest
+        return OmegaConf.to_container(cfg, resolve=False)
+
+
+def _device_info(device: torch.device | None) -> dict[str, Any]:
+    if device is None:
+        return {}
+    info: dict[str, Any] = {"device": str(device), "torch_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        info["name"] = torch.cuda.get_device_name(device)
+    else:
+        import platform
+
+        info["name"] = platform.processor() or platform.machine()
+        info["cpu_count"] = os.cpu_count()
+    return info
+
+
+class SegmentRun:
+    """One ``segment`` run (see the module docstring); :func:`run_segment` drives it.
+
+    Args:
+        cfg: the composed ``segment`` config.
+        backbone: an already built backbone (benchmarks reuse one); default: built from
+            ``cfg.model``.
+        method: an already built method; default: built from ``cfg.method``.
+    """
+
+    def __init__(self, cfg: DictConfig, *, backbone: Any = None, method: Any = None) -> None:
+        self.cfg = cfg
+        self.backbone = backbone
+        self.method = method
+        self.opts = RenderOptions(**(OmegaConf.to_container(cfg.render, resolve=True) if cfg.get("render") else {}))
+        self.out = Path(str(cfg.output)).expanduser().resolve()
+        self.batch_size = int(cfg.get("batch_size") or 1)
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        nw = cfg.get("num_workers")
+        self.num_workers = int(nw) if nw is not None else 0  # 0 = chosen for the device in _build
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0 (0 or null = automatic), got {nw}")
+        self.max_pixels = cfg.get("max_pixels")
+        self.min_size = cfg.get("min_size")
+        self.overwrite = bool(cfg.get("overwrite", False))
+        self.progress = bool(cfg.get("progress", True))
+        self.fingerprint = config_fingerprint(cfg)
+        self.device: torch.device | None = None
+        self.t = _Timings()
+        self.statuses: dict[str, _Status] = {}
+        self.records: dict[str, ImageRecord] = {}
+        self.ignored: list[tuple[str, str]] = []
+        self.interrupted = False
+        self.error: str | None = None
+        self.started = datetime.now(timezone.utc)
+        self.input_desc = "bundled examples" if cfg.get("input") is None else str(cfg.input)
+        self.files: list[ImageFile] = []
+        self.input_root: Path | None = None
+
+    # ------------------------------------------------------------------ entry
+
+    def run(self) -> int:
+        """Do the run; returns the exit code."""
+        t0 = time.perf_counter()
+        code = EXIT_BAD_INPUT
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(warnings.catch_warnings())
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                old_limit = Image.MAX_IMAGE_PIXELS
+                if self.max_pixels is not None and (old_limit is None or self.max_pixels > old_limit):
+                    Image.MAX_IMAGE_PIXELS = int(self.max_pixels)  # Pillow's check, raised for us
+                    stack.callback(setattr, Image, "MAX_IMAGE_PIXELS", old_limit)
+                if self.cfg.get("input") is None:
+                    root = stack.enter_context(bundled_examples())
+                else:
+                    root = Path(str(self.cfg.input))
+                code = self._run(root)
+        except KeyboardInterrupt:
+            self.interrupted = True
+            code = EXIT_INTERRUPTED
+            log.warning("interrupted: finished images are kept; rerun the same command to resume")
+        finally:
+            self.t.extra["total_s"] = time.perf_counter() - t0
+            if self.input_root is not None or self.error is not None:
+                self._write_summary(code)
+        return code
+
+    def _fail(self, msg: str) -> int:
+        self.error = msg
+        log.error(msg)
+        return EXIT_BAD_INPUT
+
+    def _run(self, input_path: Path) -> int:
+        ts = time.perf_counter()
+        try:
+            if self.out.exists() and not self.out.is_dir():
+                raise InputError(f"output {str(self.out)!r} exists and is not a folder")
+            if input_path.exists() and input_path.resolve() == self.out:
+                raise InputError(f"output folder {str(self.out)!r} is the input folder; choose another output")
+            listing = find_images(input_path, exclude=[self.out])
+        except InputError as e:
+            return self._fail(str(e))
+        self.input_root = listing.root
+        self.files = listing.files
+        self.ignored = listing.ignored
+        self.t.scan_s = time.perf_counter() - ts
+        for rel, why in self.ignored:
+            log.info("ignored %s: %s", rel, why)
+        if not self.files:
+            return self._fail(
+                f"no images found under {str(listing.root)!r} (looked recursively for "
+                f"{', '.join(IMAGE_EXTENSIONS)}; {len(self.ignored)} other files ignored)"
+            )
+        self.out.mkdir(parents=True, exist_ok=True)
+
+        ts = time.perf_counter()
+        todo = self._plan()
+        self.t.plan_s = time.perf_counter() - ts
+        done_before = len(self.files) - len(todo)
+        log.info(
+            "%d images under %s: %d already done%s, %d to segment -> %s",
+            len(self.files), listing.root, done_before,
+            "" if not self.overwrite else " (overwrite=true: redoing all)", len(todo), self.out,
+        )
+        if todo:
+            ts = time.perf_counter()
+            try:
+                self._build()
+            except Exception as e:  # a model/method that cannot be built stops the run
+                log.debug("building the model/method failed", exc_info=True)
+                return self._fail(f"cannot build the model or method: {_describe(e)}")
+            self.t.model_load_s = time.perf_counter() - ts
+            ts = time.perf_counter()
+            try:
+                self._process(todo)
+            finally:
+                self.t.processing_s = time.perf_counter() - ts
+        n_ok = sum(s.status in ("done", "resumed") for s in self.statuses.values())
+        n_failed = sum(s.status == "failed" for s in self.statuses.values())
+        if n_ok == 0:
+            self.error = f"none of the {len(self.files)} images could be processed; see the reasons above and in run.json"
+            log.error(self.error)
+            return EXIT_NOTHING_DONE
+        log.info("done: %d segmented, %d resumed, %d failed", n_ok - done_before, done_before, n_failed)
+        return EXIT_OK
+
+    # ------------------------------------------------------------------ plan / build
+
+    def _plan(self) -> list[_Item]:
+        todo = []
+        for f in self.files:
+            try:
+                st = f.path.stat()
+            except OSError as e:
+                self.statuses[f.name] = _Status(f.name, f.rel, "failed", f"cannot be read: {e.strerror or e}")
+                continue
+            item = _Item(file=f, source_bytes=st.st_size, source_mtime_ns=st.st_mtime_ns)
+            if not self.overwrite:
+                rec = load_record(self.out, f.name)
+                if record_is_current(rec, self.out, fingerprint=self.fingerprint,
+                                     source_bytes=st.st_size, source_mtime_ns=st.st_mtime_ns):
+                    self.records[f.name] = rec
+                    self.statuses[f.name] = _Status(f.name, f.rel, "resumed")
+                    continue
+            todo.append(item)
+        return todo
+
+    def _build(self) -> None:
+        from hydra.utils import instantiate
+
+        self.device = resolve_device(self.cfg.get("device", "auto"))
+        if self.backbone is None:
+            self.backbone = instantiate(self.cfg.model)
+        if self.method is None:
+            self.method = instantiate(self.cfg.method)
+        self.capture = self.method.capture(self.backbone.num_layers)
+        if self.num_workers == 0:  # a GPU forward is fast: more threads to decode and write
+            dev = torch.device(getattr(self.backbone, "device", self.device))
+            self.num_workers = max(1, min(16 if dev.type == "cuda" else 4, os.cpu_count() or 1))
+        ph, pw = _patch_size(self.backbone)
+        self.min_hw = (int(self.min_size), int(self.min_size)) if self.min_size else (ph, pw)
+        log.info("model %s on %s, method %s", getattr(self.backbone, "name", "?"),
+                 getattr(self.backbone, "device", self.device), getattr(self.method, "name", type(self.method).__name__))
+
+    # ------------------------------------------------------------------ stages
+
+    def _load(self, item: _Item) -> _Item:
+        """Loader thread: read, check, preprocess one image (errors are kept on the item)."""
+        t0 = time.perf_counter()
+        try:
+            loaded = read_image(item.file.path, max_pixels=self.max_pixels)
+            h, w = loaded.size
+            mh, mw = self.min_hw
+            if h < mh or w < mw:
+                what = f"one {mh}x{mw} patch of {getattr(self.backbone, 'name', 'the model')}" if not self.min_size else f"min_size={self.min_size}"
+                raise ImageReadError(item.file.path, f"image is {w}x{h} px, smaller than {what}")
+            item.loaded = loaded
+            item.pixels = self.backbone.preprocess(loaded.image)
+        except ImageReadError as e:
+            item.error = e.reason
+        except Exception as e:  # preprocessing of one odd image must not end the run
+            item.error = f"preprocessing failed ({_describe(e)})"
+        item.read_s = time.perf_counter() - t0
+        return item
+
+    def _forward(self, items: list[_Item]) -> MethodOutput:
+        pixels = torch.stack([it.pixels for it in items])  # (B, 3, H, W)
+        with torch.inference_mode():
+            record = self.backbone.extract(pixels, self.capture)
+            out = self.method(record)
+        return MethodOutput(
+            heatmap=out.heatmap.detach().float().cpu(),
+            labels=None if out.labels is None else out.labels.detach().cpu(),
+            foreground=None if out.foreground is None else out.foreground.detach().cpu(),
+        )
+
+    def _write(self, item: _Item, out: MethodOutput, index: int) -> ImageRecord:
+        """Writer thread: post-process at the original size, write files and record."""
+        loaded = item.loaded
+        seg = postprocess(out, index, loaded.size)
+        return write_image(
+            self.out, item.file.name, np.asarray(loaded.image), seg, self.opts,
+            source=item.file.rel, source_path=str(item.file.path),
+            source_bytes=item.source_bytes, source_mtime_ns=item.source_mtime_ns,
+            fingerprint=self.fingerprint, source_mode=loaded.source_mode, notes=list(loaded.notes),
+        )
+
+    def _fail_item(self, item: _Item, reason: str) -> None:
+        self.statuses[item.file.name] = _Status(item.file.name, item.file.rel, "failed", reason)
+        log.warning("skipped %s: %s", item.file.path, reason)
+
+    def _process(self, todo: list[_Item]) -> None:
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        bar = tqdm(total=len(todo), unit="img", desc="segment", disable=not self.progress, dynamic_ncols=True)
+        prefetch = max(2 * self.batch_size, 2 * self.num_workers)
+        max_pending_writes = max(2 * self.batch_size, 2 * self.num_workers)
+        loader = ThreadPoolExecutor(self.num_workers, thread_name_prefix="segment-read")
+        writer = ThreadPoolExecutor(self.num_workers, thread_name_prefix="segment-write")
+        writes: deque[tuple[_Item, Future]] = deque()
+        buckets: OrderedDict[tuple[int, ...], list[_Item]] = OrderedDict()
+
+        def finish_write(item: _Item, fut: Future) -> None:
+            try:
+                rec = fut.result()
+            except Exception as e:
+                log.debug("writing %s failed", item.file.name, exc_info=True)
+                self._fail_item(item, f"writing outputs failed ({_describe(e)})")
+            else:
+                self.records[item.file.name] = rec
+                self.t.write_s += rec.seconds
+                self.statuses[item.file.name] = _Status(item.file.name, item.file.rel, "done",
+                                                        seconds=round(item.read_s + rec.seconds, 4))
+            bar.update(1)
+
+        def drain(limit: int) -> None:
+            while len(writes) > limit:
+                finish_write(*writes.popleft())
+
+        def run_batch(items: list[_Item]) -> None:
+            t0 = time.perf_counter()
+            try:
+                out = self._forward(items)
+            except Exception as e:
+                if len(items) > 1:  # e.g. out of memory: retry one by one
+                    log.warning("a batch of %d failed (%s); retrying one image at a time", len(items), _describe(e))
+                    for it in items:
+                        run_batch([it])
+                    return
+                log.debug("model failed on %s", items[0].file.name, exc_info=True)
+                self._fail_item(items[0], f"model failed ({_describe(e)})")
+                bar.update(1)
+                return
+            finally:
+                self.t.model_s += time.perf_counter() - t0
+            for i, it in enumerate(items):
+                it.pixels = None
+                writes.append((it, writer.submit(self._write, it, out, i)))
+            drain(max_pending_writes)
+
+        def loaded_items() -> Iterator[_Item]:
+            pending: deque[Future] = deque()
+            it = iter(todo)
+            for item in it:
+                pending.append(loader.submit(self._load, item))
+                if len(pending) >= prefetch:
+                    break
+            while pending:
+                t0 = time.perf_counter()
+                got = pending.popleft().result()
+                self.t.wait_input_s += time.perf_counter() - t0
+                nxt = next(it, None)
+                if nxt is not None:
+                    pending.append(loader.submit(self._load, nxt))
+                yield got
+
+        try:
+            with logging_redirect_tqdm():
+                for item in loaded_items():
+                    self.t.read_s += item.read_s
+                    if item.error is not None:
+                        self._fail_item(item, item.error)
+                        bar.update(1)
+                        continue
+                    key = tuple(item.pixels.shape)
+                    bucket = buckets.setdefault(key, [])
+                    bucket.append(item)
+                    if len(bucket) >= self.batch_size:
+                        run_batch(buckets.pop(key))
+                for key in list(buckets):
+                    run_batch(buckets.pop(key))
+                drain(0)
+        except KeyboardInterrupt:
+            loader.shutdown(wait=False, cancel_futures=True)
+            for it, fut in writes:  # files being written are completed (each write is atomic)
+                if fut.cancel():
+                    continue
+                with contextlib.suppress(Exception):
+                    finish_write(it, fut)
+            raise
+        finally:
+            loader.shutdown(wait=True, cancel_futures=True)
+            writer.shutdown(wait=True)
+            bar.close()
+
+    # ------------------------------------------------------------------ summary
+
+    def _write_summary(self, code: int) -> None:
+        """annotations.json, index.html and run.json from every record of this input."""
+        ts = time.perf_counter()
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            log.error("cannot create the output folder %s: %s", self.out, e)
+            return
+        records = [self.records[f.name] for f in self.files if f.name in self.records]
+        failed = [
+            {"path": s.source, "reason": s.reason or ""} for s in self.statuses.values() if s.status == "failed"
+        ]
+        skipped = failed + [{"path": p, "reason": r} for p, r in self.ignored]
+        n_new = sum(s.status == "done" for s in self.statuses.values())
+        model_name = getattr(self.backbone, "name", None) or OmegaConf.select(self.cfg, "model.name", default="?")
+        method_name = getattr(self.method, "name", None) or OmegaConf.select(self.cfg, "method.name", default="?")
+        if self.files:
+            write_coco(self.out / "annotations.json", records, info={
+                "description": f"segment: {model_name} / {method_name}",
+                "date_created": self.started.isoformat(timespec="seconds"),
+                "version": package_versions(("segment",)).get("segment"),
+                "input": str(self.input_root),
+            })
+            write_gallery(
+                self.out / "index.html", records, failed=skipped, title=f"segment: {self.out.name}",
+                summary=[
+                    ("input", str(self.input_root)), ("model", str(model_name)), ("method", str(method_name)),
+                    ("images", f"{len(records)} segmented of {len(self.files)}; {len(skipped)} files skipped"),
+                ],
+                thumb_size=self.opts.thumb_size,
+            )
+        proc = self.t.processing_s
+        timings = {k: round(v, 4) for k, v in self.t.__dict__.items() if isinstance(v, float)}
+        timings.update({k: round(v, 4) for k, v in self.t.extra.items()})
+        timings["images_per_s"] = round(n_new / proc, 3) if proc > 0 and n_new else None
+        self.t.summary_s = time.perf_counter() - ts
+        timings["summary_s"] = round(self.t.summary_s, 4)
+        statuses = [self.statuses[f.name].as_dict() for f in self.files if f.name in self.statuses]
+        manifest = {
+            "command": "segment",
+            "exit_code": code,
+            "error": self.error,
+            "interrupted": self.interrupted,
+            "started": self.started.isoformat(timespec="seconds"),
+            "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "input": str(self.input_root) if self.input_root else self.input_desc,
+            "output": str(self.out),
+            "model": str(model_name),
+            "method": str(method_name),
+            "fingerprint": self.fingerprint,
+            "counts": {
+                "found": len(self.files),
+                "segmented": n_new,
+                "resumed": sum(s.status == "resumed" for s in self.statuses.values()),
+                "failed": len(failed),
+                "ignored": len(self.ignored),
+            },
+            "device": _device_info(self.device),
+            "timings": timings,
+            "config": _cfg_dict(self.cfg),
+            "versions": package_versions(),
+            "images": statuses,
+            "skipped": skipped,
+        }
+        try:
+            write_manifest(self.out / "run.json", manifest)
+        except OSError as e:
+            log.error("cannot write %s: %s", self.out / "run.json", e)
+
+
+def run_segment(cfg: DictConfig, **kwargs: Any) -> int:
+    """Run ``segment`` with a composed config (``configs/segment.yaml``); returns the exit
+    code (see the module docstring). ``kwargs`` go to :class:`SegmentRun`."""
+    try:
+        runner = SegmentRun(cfg, **kwargs)
+    except (ValueError, TypeError) as e:
+        log.error("bad settings: %s", e)
+        return EXIT_BAD_INPUT
+    return runner.run()

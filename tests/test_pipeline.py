@@ -1,0 +1,352 @@
+"""segment.pipeline: whole runs with the tiny random ViT (CPU, seconds)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from PIL import Image
+from pycocotools.coco import COCO
+
+from segment.masks import MethodOutput
+from segment.pipeline import SegmentRun, config_fingerprint, run_segment
+from segment.record import AttentionRecord, Capture
+
+
+def compose_cfg(input_path: Path | None, output: Path, *extra: str):
+    overrides = [f"output='{output}'", "model=vit_tiny_random", "device=cpu", "progress=false",
+                 "batch_size=3", "num_workers=2", "render.fsync=false", *extra]
+    if input_path is not None:
+        overrides.append(f"input='{input_path}'")
+    with initialize_config_module(version_base="1.3", config_module="segment.configs"):
+        return compose("segment", overrides=overrides)
+
+
+def _img(h: int, w: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    a = np.full((h, w, 3), 40, np.uint8)
+    a[h // 4 : 3 * h // 4, w // 4 : 3 * w // 4] = rng.integers(150, 255, 3)  # an object
+    return Image.fromarray(a)
+
+
+def make_folder(root: Path, bad: bool = True) -> dict[str, str]:
+    """Good images in sub-folders (with an a.jpg / a.png stem clash) and bad files."""
+    root.mkdir(parents=True)
+    _img(40, 60, 0).save(root / "a.jpg")
+    _img(50, 30, 1).save(root / "a.png")
+    (root / "sub").mkdir()
+    _img(33, 47, 2).convert("RGBA").save(root / "sub" / "rgba.png")
+    _img(45, 45, 3).convert("L").save(root / "sub" / "grey.tif")
+    Image.fromarray((np.asarray(_img(30, 40, 4).convert("L")).astype(np.uint16) * 257)).save(root / "sub" / "g16.png")
+    (root / "readme.txt").write_text("not an image")
+    reasons = {}
+    if bad:
+        (root / "empty.jpg").write_bytes(b"")
+        reasons["empty.jpg"] = "empty file"
+        (root / "text.png").write_text("hello\n" * 20)
+        reasons["text.png"] = "not a readable image"
+        data = (root / "a.jpg").read_bytes()
+        (root / "sub" / "cut.jpg").write_bytes(data[: len(data) // 2])
+        reasons["sub/cut.jpg"] = "truncated"
+        _img(5, 9, 5).save(root / "tiny.png")
+        reasons["tiny.png"] = "smaller than one"
+    return reasons
+
+
+GOOD = {"a.jpg": (40, 60), "a.png": (50, 30), "sub/rgba": (33, 47), "sub/grey": (45, 45), "sub/g16": (30, 40)}
+
+
+def _manifest(out: Path) -> dict:
+    return json.loads((out / "run.json").read_text())
+
+
+def test_run_on_folder_with_bad_files(tmp_path, caplog):
+    src, out = tmp_path / "in", tmp_path / "out"
+    reasons = make_folder(src)
+    caplog.set_level("INFO")
+    assert run_segment(compose_cfg(src, out)) == 0
+    for name, (h, w) in GOOD.items():
+        m = Image.open(out / "masks" / f"{name}.png")
+        assert m.size == (w, h) and m.mode == "L", name
+        assert set(np.unique(np.asarray(m))) <= {0, 255}
+        assert Image.open(out / "heatmaps" / f"{name}.png").size == (w, h)
+        assert Image.open(out / "overlays" / f"{name}.jpg").size == (w, h)
+    man = _manifest(out)
+    assert man["exit_code"] == 0 and man["counts"] == {
+        "found": 9, "segmented": 5, "resumed": 0, "failed": 4, "ignored": 1}
+    skipped = {s["path"]: s["reason"] for s in man["skipped"]}
+    for path, why in reasons.items():
+        assert why in skipped[path], (path, skipped[path])
+        assert any(path in r.message and why in r.message for r in caplog.records), path
+    assert "not an image extension" in skipped["readme.txt"]
+    assert "tiny.png" in skipped and "5" in skipped["tiny.png"]
+    statuses = {s["name"]: s["status"] for s in man["images"]}
+    assert statuses["a.jpg"] == "done" and statuses["empty"] == "failed"
+    assert man["device"]["device"] == "cpu" and torch.__version__.startswith(man["versions"]["torch"])
+    assert man["config"]["model"]["_target_"] and man["timings"]["images_per_s"] > 0
+    # COCO: every segmented image, masks reproduced by annToMask
+    coco = COCO(str(out / "annotations.json"))
+    by_name = {im["segment_name"]: im for im in coco.dataset["images"]}
+    assert set(by_name) == set(GOOD)
+    for name, im in by_name.items():
+        anns = coco.loadAnns(coco.getAnnIds(imgIds=[im["id"]]))
+        mask = np.asarray(Image.open(out / "masks" / f"{name}.png")) > 0
+        got = np.zeros_like(mask)
+        for a in anns:
+            got |= coco.annToMask(a).astype(bool)
+        np.testing.assert_array_equal(got, mask)
+    html = (out / "index.html").read_text()
+    assert html.count("<tr>") >= 1 + 5 and "sub/cut.jpg" in html
+
+
+def _mtimes(out: Path) -> dict[str, int]:
+    return {str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.rglob("*")
+            if p.is_file() and p.parts[len(out.parts)] in ("masks", "heatmaps", "overlays", "records")}
+
+
+def test_resume_skips_done_images_and_keeps_them_in_summaries(tmp_path):
+    src, out = tmp_path / "in", tmp_path / "out"
+    make_folder(src, bad=False)
+    assert run_segment(compose_cfg(src, out)) == 0
+    before = _mtimes(out)
+    # second run: nothing to do, every image still in annotations and gallery
+    assert run_segment(compose_cfg(src, out)) == 0
+    man = _manifest(out)
+    assert man["counts"]["resumed"] == 5 and man["counts"]["segmented"] == 0
+    assert _mtimes(out) == before
+    coco = json.loads((out / "annotations.json").read_text())
+    assert {im["segment_name"] for im in coco["images"]} == set(GOOD)
+    # a lost record (crash before it was written) and a changed source are redone
+    (out / "records" / "sub" / "grey.json").unlink()
+    _img(50, 30, 9).save(src / "a.png")
+    os.utime(src / "a.png", ns=(1, 1))
+    assert run_segment(compose_cfg(src, out)) == 0
+    man = _manifest(out)
+    assert man["counts"]["resumed"] == 3 and man["counts"]["segmented"] == 2
+    st = {s["name"]: s["status"] for s in man["images"]}
+    assert st["sub/grey"] == "done" and st["a.png"] == "done" and st["a.jpg"] == "resumed"
+    # overwrite=true redoes everything; another method config redoes everything too
+    assert run_segment(compose_cfg(src, out, "overwrite=true")) == 0
+    assert _manifest(out)["counts"]["segmented"] == 5
+    assert run_segment(compose_cfg(src, out, "render.colormap=jet")) == 0
+    assert _manifest(out)["counts"]["segmented"] == 5
+
+
+def test_fingerprint_ignores_device_and_io_settings(tmp_path):
+    a = compose_cfg(None, tmp_path)
+    b = compose_cfg(None, tmp_path, "device=auto", "batch_size=1", "render.fsync=true", "num_workers=1")
+    c = compose_cfg(None, tmp_path, "render.overlay_alpha=0.3")
+    assert config_fingerprint(a) == config_fingerprint(b) != config_fingerprint(c)
+
+
+def test_empty_missing_and_all_bad_inputs(tmp_path, caplog):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("x")
+    assert run_segment(compose_cfg(empty, tmp_path / "o1")) == 2
+    assert "no images found" in caplog.text and str(empty) in caplog.text
+    man = _manifest(tmp_path / "o1")
+    assert man["exit_code"] == 2 and "no images found" in man["error"]
+    assert man["skipped"] == [{"path": "notes.txt", "reason": man["skipped"][0]["reason"]}]
+    caplog.clear()
+    assert run_segment(compose_cfg(tmp_path / "missing", tmp_path / "o2")) == 2
+    assert "does not exist" in caplog.text
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "a.png").write_bytes(b"")
+    (bad / "b.jpg").write_text("nope")
+    caplog.clear()
+    assert run_segment(compose_cfg(bad, tmp_path / "o3")) == 1
+    assert "none of the 2 images could be processed" in caplog.text
+    assert _manifest(tmp_path / "o3")["counts"]["failed"] == 2
+
+
+def test_max_pixels_and_min_size(tmp_path):
+    src = tmp_path / "in"
+    src.mkdir()
+    _img(40, 60, 0).save(src / "big.png")
+    _img(30, 30, 1).save(src / "small.png")
+    assert run_segment(compose_cfg(src, tmp_path / "o", "max_pixels=1000", "min_size=31")) == 1
+    skipped = {s["path"]: s["reason"] for s in _manifest(tmp_path / "o")["skipped"]}
+    assert "above the limit" in skipped["big.png"] and "max_pixels" in skipped["big.png"]
+    assert "smaller than min_size=31" in skipped["small.png"]
+
+
+def test_single_image_input_and_output_inside_input(tmp_path):
+    src = tmp_path / "in"
+    src.mkdir()
+    _img(40, 60, 0).save(src / "one.png")
+    assert run_segment(compose_cfg(src / "one.png", tmp_path / "o")) == 0
+    assert (tmp_path / "o" / "masks" / "one.png").is_file()
+    out = src / "results"  # the output folder inside the input is never read as input
+    assert run_segment(compose_cfg(src, out)) == 0
+    assert run_segment(compose_cfg(src, out)) == 0
+    assert _manifest(out)["counts"]["found"] == 1
+    assert run_segment(compose_cfg(src, src)) == 2
+
+
+# ----------------------------------------------------------------------------- batching
+
+
+def test_batches_hold_one_preprocessed_size(tmp_path):
+    """A backbone whose preprocessing keeps the orientation: batches never mix sizes."""
+    from hydra.utils import instantiate
+
+    cfg = compose_cfg(None, tmp_path / "o")
+    inner = instantiate(cfg.model)
+    p = inner.patch_size[0]
+
+    class Oriented:
+        name, num_layers, num_heads, patch_size = "oriented", inner.num_layers, inner.num_heads, inner.patch_size
+        device = inner.device
+        shapes: list[tuple[int, ...]] = []
+
+        def preprocess(self, image):
+            x = inner.preprocess(image)
+            half = max(p, x.shape[2] // p // 2 * p)  # portrait: half the width, patch multiple
+            return x if image.width >= image.height else x[:, :, :half]
+
+        def extract(self, pixels, capture, prompts=None):
+            self.shapes.append(tuple(pixels.shape))
+            return inner.extract(pixels, capture)
+
+    src = tmp_path / "in"
+    src.mkdir()
+    for i in range(7):
+        (_img(40, 60, i) if i % 2 else _img(60, 40, i)).save(src / f"{i}.png")
+    bb = Oriented()
+    assert run_segment(compose_cfg(src, tmp_path / "o"), backbone=bb) == 0
+    assert sum(s[0] for s in bb.shapes) == 7
+    assert all(s[0] <= 3 for s in bb.shapes) and len({s[2:] for s in bb.shapes}) == 2
+    assert len(list((tmp_path / "o" / "masks").glob("*.png"))) == 7
+
+
+# ----------------------------------------------------------------------------- regions, interrupts
+
+
+@dataclass
+class QuadrantRegions:
+    """A hand-made multi-region method: 4 quadrant regions of the grid, the two on the right
+    foreground; heatmap = the CLS row (so AP still has a continuous score)."""
+
+    name: str = "quadrants"
+
+    def capture(self, num_layers: int) -> Capture:
+        return Capture(layers=(-1,), heads="mean")
+
+    def __call__(self, record: AttentionRecord) -> MethodOutput:
+        (a,) = record.attn.values()  # (B, 1, N, N)
+        h, w = record.layout.grid
+        heat = a[:, 0, 0, record.layout.patches].reshape(-1, h, w)
+        yy, xx = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        lab = (2 * (yy >= h / 2) + (xx >= w / 2)).long()
+        labels = lab.expand(heat.shape[0], h, w)
+        fg = torch.tensor([False, True, False, True]).expand(heat.shape[0], 4)
+        return MethodOutput(heatmap=heat, labels=labels, foreground=fg)
+
+
+def test_multi_region_outputs_end_to_end(tmp_path):
+    src, out = tmp_path / "in", tmp_path / "out"
+    src.mkdir()
+    _img(40, 64, 0).save(src / "x.png")
+    assert run_segment(compose_cfg(src, out), method=QuadrantRegions()) == 0
+    lab = Image.open(out / "labels" / "x.png")
+    assert lab.mode == "P" and lab.size == (64, 40)
+    lab = np.asarray(lab)
+    assert set(np.unique(lab)) == {0, 1, 2, 3}
+    mask = np.asarray(Image.open(out / "masks" / "x.png")) > 0
+    np.testing.assert_array_equal(mask, np.isin(lab, [1, 3]))  # right half
+    assert mask[:, 40:].all() and not mask[:, :24].any()
+    coco = COCO(str(out / "annotations.json"))
+    anns = coco.loadAnns(coco.getAnnIds())
+    assert sorted(a["region_id"] for a in anns) == [0, 1, 2, 3]
+    for a in anns:
+        np.testing.assert_array_equal(coco.annToMask(a).astype(bool), lab == a["region_id"])
+        assert a["category_id"] == (1 if a["region_id"] in (1, 3) else 2)
+    html = (out / "index.html").read_text()
+    assert "<th>labels</th>" in html and "gallery/labels/x.jpg" in html
+
+
+class InterruptAfter:
+    """Wraps a method; raises KeyboardInterrupt (Ctrl-C) on call number ``n``."""
+
+    def __init__(self, inner, n: int) -> None:
+        self.inner, self.n, self.calls, self.name = inner, n, 0, inner.name
+
+    def capture(self, num_layers):
+        return self.inner.capture(num_layers)
+
+    def __call__(self, record):
+        self.calls += 1
+        if self.calls == self.n:
+            raise KeyboardInterrupt
+        return self.inner(record)
+
+
+def test_ctrl_c_keeps_finished_images_and_resumes(tmp_path):
+    from hydra.utils import instantiate
+
+    src, out = tmp_path / "in", tmp_path / "out"
+    src.mkdir()
+    for i in range(8):
+        _img(40, 60, i).save(src / f"{i}.png")
+    cfg = compose_cfg(src, out, "batch_size=2")
+    method = InterruptAfter(instantiate(cfg.method), n=3)  # two batches done, then Ctrl-C
+    assert run_segment(cfg, method=method) == 130
+    man = _manifest(out)
+    assert man["interrupted"] is True and man["counts"]["segmented"] == 4
+    assert len(list((out / "records").glob("*.json"))) == 4
+    assert not [p for p in out.rglob("*.tmp")]
+    assert len(json.loads((out / "annotations.json").read_text())["images"]) == 4
+    assert run_segment(compose_cfg(src, out, "batch_size=2")) == 0
+    man = _manifest(out)
+    assert man["counts"]["resumed"] == 4 and man["counts"]["segmented"] == 4
+    assert len(json.loads((out / "annotations.json").read_text())["images"]) == 8
+
+
+def test_model_failure_on_one_batch_is_isolated(tmp_path):
+    from hydra.utils import instantiate
+
+    src, out = tmp_path / "in", tmp_path / "out"
+    src.mkdir()
+    for i in range(4):
+        _img(40, 60, i).save(src / f"{i}.png")
+    cfg = compose_cfg(src, out, "batch_size=2")
+    inner = instantiate(cfg.method)
+
+    class FailsOnFirst:
+        name, calls = "fails", 0
+
+        def capture(self, n):
+            return inner.capture(n)
+
+        def __call__(self, record):
+            FailsOnFirst.calls += 1
+            if FailsOnFirst.calls <= 2:  # the batch of 2 and the first single retry
+                raise RuntimeError("CUDA out of memory (simulated)")
+            return inner(record)
+
+    assert run_segment(cfg, method=FailsOnFirst()) == 0
+    man = _manifest(out)
+    assert man["counts"]["segmented"] == 3 and man["counts"]["failed"] == 1
+    assert "model failed (RuntimeError: CUDA out of memory (simulated))" in man["skipped"][0]["reason"]
+
+
+# ----------------------------------------------------------------------------- bundled examples
+
+
+def test_bundled_examples_default_input(tmp_path):
+    out = tmp_path / "out"
+    assert run_segment(compose_cfg(None, out)) == 0
+    man = _manifest(out)
+    assert man["counts"]["segmented"] == 3 and man["input"].endswith("examples")
+    for n in ("astronaut", "chelsea", "coffee"):
+        src = Image.open(Path(man["input"]) / f"{n}.png")
+        assert Image.open(out / "masks" / f"{n}.png").size == src.size
+    _ = SegmentRun  # public for benchmarks
