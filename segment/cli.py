@@ -17,7 +17,10 @@ def run(cfg: DictConfig) -> int:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="segment")
 def _main(cfg: DictConfig) -> int:
-    return run(cfg)
+    code = run(cfg)
+    if code:  # hydra.main drops the task's return value; exit here so the shell sees it
+        raise SystemExit(code)
+    return code
 
 
 def main() -> None:
