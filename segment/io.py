@@ -330,7 +330,7 @@ def read_image(path: str | os.PathLike, *, max_pixels: int | None = None) -> Loa
         raise ImageReadError(path, "not a readable image (Pillow does not recognise the format)") from None
     except Image.DecompressionBombError as e:
         raise ImageReadError(
-            path, f"too large to decode safely ({e}); if trusted, raise max_pixels"
+            path, f"too large to decode safely ({e}); if the file is trusted, raise the limit with max_pixels=N"
         ) from None
     except MemoryError:
         raise ImageReadError(path, "out of memory while decoding") from None

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io as _io
+import struct
+import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -251,6 +254,28 @@ def test_decompression_bomb_limits(tmp_path, monkeypatch):
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 500)
     with pytest.raises(ImageReadError, match="max_pixels"):
         read_image(p)
+
+
+def _png_header_only(w: int, h: int) -> bytes:
+    """A PNG that claims ``w x h`` pixels but holds almost no data (a decompression bomb's header)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+            + chunk(b"IEND", b""))
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+@pytest.mark.parametrize("side", [10_000, 30_000])  # above Pillow's limit, and above twice it
+def test_huge_image_refused_before_decoding(tmp_path, side):
+    p = tmp_path / "bomb.png"
+    p.write_bytes(_png_header_only(side, side))
+    t0 = time.perf_counter()
+    with pytest.raises(ImageReadError, match="max_pixels=N") as e:
+        read_image(p)
+    assert time.perf_counter() - t0 < 1.0  # nothing was decoded
+    assert str(p) in str(e.value) and ("Mpx" in str(e.value) or "decompression bomb" in str(e.value))
 
 
 def test_missing_file(tmp_path):
