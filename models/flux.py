@@ -61,6 +61,7 @@ from segment.reduce import AttentionReducer
 from segment.utils import resolve_device
 
 __all__ = [
+    "CaptureProcessor",
     "FluxBackbone",
     "FluxComponents",
     "FluxInputs",
@@ -417,8 +418,7 @@ class CaptureProcessor:
             )
             probs = None
             if want_attn:
-                mask = attention_mask
-                probs = attention_probs(q, k, mask)  # (B, H, N, N)
+                probs = attention_probs(q, k, attention_mask)  # (B, H, N, N)
                 keys = k.transpose(1, 2) if tap.reducer.capture.keys else None
                 tap.reducer.update(layer, probs, keys)
             if concept is not None:
@@ -603,6 +603,8 @@ class FluxBackbone(Backbone):
             code passes its zeroed concept vector there instead of the caption's).
         dtype: weights dtype, ``bfloat16`` / ``float16`` / ``float32``.
         vae_dtype: VAE dtype (``None`` = ``dtype``).
+        text_dtype: CLIP and T5 dtype (``None`` = ``dtype``); T5 overflows in ``float16``,
+            so with ``dtype=float16`` keep it at ``bfloat16`` or ``float32``.
         device: ``auto``, ``cpu``, ``cuda``, ``cuda:N``.
         offload: keep every component on the CPU and move each to the device only while it
             runs (text encoders, VAE, transformer), like diffusers' model CPU offload.
@@ -631,6 +633,7 @@ class FluxBackbone(Backbone):
         pooled_prompt: str = "clip",
         dtype: str | torch.dtype = "bfloat16",
         vae_dtype: str | torch.dtype | None = None,
+        text_dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = "auto",
         offload: bool = False,
     ) -> None:
@@ -638,6 +641,7 @@ class FluxBackbone(Backbone):
         self.device = resolve_device(device)
         self.dtype = _dtype(dtype, "model.dtype")
         self.vae_dtype = _dtype(vae_dtype, "model.vae_dtype") if vae_dtype else self.dtype
+        self.text_dtype = _dtype(text_dtype, "model.text_dtype") if text_dtype else self.dtype
         self.offload = bool(offload)
         c = components
         self.transformer = c.transformer.eval().requires_grad_(False)
@@ -651,8 +655,8 @@ class FluxBackbone(Backbone):
                 f" locate the class word), got {type(self.tokenizer_2).__name__}"
             )
         home = torch.device("cpu") if self.offload else self.device
-        for module, dt in ((self.transformer, self.dtype), (self.text_encoder, self.dtype),
-                           (self.text_encoder_2, self.dtype), (self.vae, self.vae_dtype)):
+        for module, dt in ((self.transformer, self.dtype), (self.text_encoder, self.text_dtype),
+                           (self.text_encoder_2, self.text_dtype), (self.vae, self.vae_dtype)):
             _place(module, home, dt)
 
         cfg = self.transformer.config
@@ -900,9 +904,11 @@ class FluxBackbone(Backbone):
             captured double-stream layers, concept 0 = the class) and ``concept_layers``
             ``(R,)`` the layer of each.
         """
-        z = self.encode_images(pixels)  # (B, 16, 2h, 2w)
-        b = z.shape[0]
+        if pixels.dim() != 4 or pixels.shape[1] != 3:
+            raise ValueError(f"pixels must be (B, 3, H, W), got {tuple(pixels.shape)}")
+        b = pixels.shape[0]
         names = self._class_names(prompts, b)
+        z = self.encode_images(pixels)  # (B, 16, 2h, 2w)
         grid = (z.shape[-2] // 2, z.shape[-1] // 2)
         text = self.encode_prompts(names)
         t_len = text.text.shape[1]

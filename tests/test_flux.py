@@ -249,9 +249,19 @@ def test_stops_after_last_needed_block(comps):
     x = _inputs(tr, b=1, grid=(2, 2))
     layout = TokenLayout(num_tokens=T + 4, prefix=T, grid=(2, 2), cls_index=None, kind="dit")
     red = AttentionReducer(Capture(layers=(1,)), 4, layout)
-    with torch.no_grad():
-        res = capture_forward(tr, x, reducer=red)
+    kinds = {}
+    hooks = [b.attn.register_forward_pre_hook(
+        lambda m, a, i=i: kinds.__setitem__(i, type(m.processor).__name__))
+        for i, b in enumerate(_blocks(tr))]
+    try:
+        with torch.no_grad():
+            res = capture_forward(tr, x, reducer=red)
+    finally:
+        for h in hooks:
+            h.remove()
     assert res.output is None and res.blocks_run == 2 and list(red.attn) == [1]
+    # installed on the selected block only; the forward never reached blocks 2 and 3
+    assert kinds == {0: "FluxAttnProcessor", 1: "CaptureProcessor"}
     with pytest.raises(ValueError, match="double-stream"):
         capture_forward(tr, x, concepts=torch.randn(1, 2, 32), concept_layers=[2])
 
@@ -369,7 +379,8 @@ def test_bf16_weights_give_fp32_stochastic_attention():
 
 def test_guidance_model_and_shifted_schedule():
     bb = flux_tiny(image_size=32, vae_size=64, device="cpu", guidance_embeds=True,
-                   shift_schedule=True, concepts=())
+                   shift_schedule=True, concepts=(), offload=True, text_dtype="bfloat16")
+    assert bb.text_encoder_2.dtype == torch.bfloat16 and bb.transformer.dtype == torch.float32
     assert bb.guidance == 3.5
     t = bb.noise_level()
     assert t == float(flow_timesteps(4, 16, shift=True)[2]) and t != 0.5
@@ -377,6 +388,7 @@ def test_guidance_model_and_shifted_schedule():
     assert rec.attn[0].shape == (1, 2, T + 16, T + 16)
 
 
+@pytest.mark.filterwarnings("ignore:The `local_dir_use_symlinks` argument is deprecated")
 def test_clear_errors(backbone, tmp_path):
     px = backbone.collate([_rgb(64, 64)])
     with pytest.raises(ValueError, match="prompts for 1 images"):
@@ -398,6 +410,8 @@ def test_clear_errors(backbone, tmp_path):
             backbone.collate([_rgb(32, 32)])[:, :, :32, :32], Capture(), prompts=["retriever"])
     with pytest.raises(FileNotFoundError, match="not a diffusers FLUX folder"):
         flux_pretrained(path=str(tmp_path / "nope"))
+    with pytest.raises(RuntimeError, match="pass model.path=DIR"):
+        flux_pretrained("black-forest-labs/FLUX.1-schnell", local_files_only=True)
     (tmp_path / "transformer").mkdir()
     with pytest.raises(FileNotFoundError, match="missing vae/"):
         flux_pretrained(path=str(tmp_path))
