@@ -1,0 +1,611 @@
+"""``segment-eval``: score any number of methods on a benchmark from one backbone pass.
+
+Flow (:func:`run_eval`)::
+
+    dataset, backbone, methods (configs)
+      -> this rank's shard of the first `limit` images, minus those in the metric cache
+      -> batches: backbone.extract(pixels, union of the methods' captures, prompts=classes)
+           -> every method on the same record -> protocol post-processing -> per-image
+              metric states -> cache (one JSON per image, atomic) + a few PNG panels
+      -> gather the per-image states on rank 0, sum them in data set order
+      -> Markdown table on stdout, results.json / results.csv / results.md in `output`
+
+Methods (``cfg.methods``), each scored from the same attention record:
+
+- ``null``: only ``cfg.method`` (the default method);
+- a list of ``configs/method`` names, or of ``{config: NAME, name: LABEL, KNOB: VALUE}``
+  entries (``methods=[rollout,{config:bounce,name:bounce3,steps:3}]``);
+- a dict ``LABEL -> method config``, as experiment files build it with the defaults-list
+  packaging ``- /method@methods.LABEL: bounce`` and knobs under ``methods.LABEL``.
+
+The default method (``cfg.method``) comes first unless ``include_default=false``.
+
+The metric cache lives in ``output/cache/<fingerprint>/``: the fingerprint covers the
+model, the data set and the post-processing; each image's file holds one state per method
+config (hashed), so a rerun with the same ``output`` skips images already scored, and adding
+a method scores only that method.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import logging
+import math
+import re
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from torch import Tensor
+
+from segment.eval import dist
+from segment.eval.metrics import (
+    BinaryState,
+    MulticlassState,
+    State,
+    binary_states,
+    hungarian_state,
+    state_from_dict,
+    total,
+)
+from segment.masks import MethodOutput, heatmap_at, labels_at, minmax, threshold_mean, to_masks
+from segment.record import AttentionRecord, Capture
+from segment.utils import atomic_path, atomic_write_json, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+BINARY_COLUMNS = ("pixAcc", "mIoU", "mIoU_CA", "mAP")
+MULTICLASS_COLUMNS = ("ACC", "mIoU")
+
+
+class ConfigError(ValueError):
+    """A setting of ``segment-eval`` that cannot work (reported without a traceback)."""
+
+
+# ---------------------------------------------------------------------------------------
+# methods from the config
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class MethodSpec:
+    """One row of the table: a label and the method's config (``_target_`` + knobs)."""
+
+    label: str
+    cfg: DictConfig
+    method: Any = None
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        self.key = config_hash(self.cfg, drop=("name",))
+
+
+def config_hash(cfg: Any, drop: Sequence[str] = ()) -> str:
+    """Short stable hash of a config node (resolved; ``drop`` keys left out)."""
+    if isinstance(cfg, (DictConfig, ListConfig)):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    if isinstance(cfg, dict):
+        cfg = {k: v for k, v in cfg.items() if k not in drop}
+    blob = json.dumps(cfg, sort_keys=True, default=str).encode()
+    return hashlib.sha1(blob).hexdigest()[:12]
+
+
+def _compose_method(name: str) -> DictConfig:
+    """The ``configs/method/<name>.yaml`` option, composed by Hydra (defaults lists work)."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import MissingConfigException
+
+    def go() -> DictConfig:
+        try:
+            return compose(config_name=None, overrides=[f"+method={name}"]).method
+        except MissingConfigException as e:
+            raise ConfigError(f"methods: no method config named {name!r} in configs/method ({e})") from None
+
+    if GlobalHydra.instance().is_initialized():
+        return go()
+    with initialize_config_module("segment.configs", version_base="1.3"):
+        return go()
+
+
+def _label_of_default(cfg: DictConfig) -> str:
+    m = cfg.method
+    if "name" in m and m.name:
+        return str(m.name)
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        choice = HydraConfig.get().runtime.choices.get("method")
+        if choice:
+            return str(choice)
+    except (ValueError, AttributeError):
+        pass
+    return str(m.get("_target_", "method")).rsplit(".", 1)[-1]
+
+
+def _knob_label(base: str, knobs: dict[str, Any]) -> str:
+    if not knobs:
+        return base
+    return base + "(" + ",".join(f"{k}={v}" for k, v in sorted(knobs.items())) + ")"
+
+
+def resolve_methods(cfg: DictConfig) -> list[MethodSpec]:
+    """The methods to score, default first (see the module docstring for the forms)."""
+    specs: list[MethodSpec] = []
+    if cfg.get("include_default", True) or cfg.get("methods") is None:
+        if cfg.get("method") is None:
+            raise ConfigError("no method: set method=NAME or methods=[...]")
+        specs.append(MethodSpec(_label_of_default(cfg), cfg.method))
+    methods = cfg.get("methods")
+    if methods is None:
+        pass
+    elif isinstance(methods, DictConfig):
+        for label, node in methods.items():
+            if isinstance(node, str):
+                node = _compose_method(node)
+            elif not isinstance(node, DictConfig):
+                raise ConfigError(f"methods.{label}: expected a method config or a config name, got {node!r}")
+            if "_target_" not in node:
+                if "config" not in node:
+                    raise ConfigError(
+                        f"methods.{label}: expected a method config with _target_ (e.g. from"
+                        f" '- /method@methods.{label}: bounce'), or {{config: NAME, KNOB: VALUE}}"
+                    )
+                knobs = {k: v for k, v in node.items() if k != "config"}
+                node = OmegaConf.merge(_compose_method(str(node.config)), knobs)
+            specs.append(MethodSpec(str(label), node))
+    elif isinstance(methods, (ListConfig, list, tuple)):
+        for entry in methods:
+            if isinstance(entry, str):
+                specs.append(MethodSpec(entry, _compose_method(entry)))
+            elif isinstance(entry, (DictConfig, dict)) and "config" in entry:
+                entry = OmegaConf.create(entry) if isinstance(entry, dict) else entry
+                knobs = {str(k): v for k, v in entry.items() if k not in ("config",)}
+                label = str(knobs.pop("name", None) or _knob_label(str(entry.config), knobs))
+                node = OmegaConf.merge(_compose_method(str(entry.config)), knobs)
+                if "name" in node:
+                    node.name = label
+                specs.append(MethodSpec(label, node))
+            else:
+                raise ConfigError(
+                    f"methods: each entry must be a configs/method name or {{config: NAME, name: LABEL, "
+                    f"KNOB: VALUE}}, got {entry!r}"
+                )
+    else:
+        raise ConfigError(f"methods must be null, a list or a dict, got {type(methods).__name__}")
+    # the default method given again in the list is the same row
+    seen: dict[str, MethodSpec] = {}
+    out = []
+    for s in specs:
+        if s.label in seen:
+            if seen[s.label].key == s.key:
+                continue
+            raise ConfigError(f"two different methods are labelled {s.label!r}; give one another name")
+        seen[s.label] = s
+        out.append(s)
+    return out
+
+
+def instantiate_method(spec: MethodSpec) -> Any:
+    from hydra.utils import instantiate
+
+    kwargs = {"name": spec.label} if "name" in spec.cfg else {}
+    method = instantiate(spec.cfg, **kwargs)
+    if not callable(getattr(method, "capture", None)) or not callable(method):
+        raise ConfigError(
+            f"method {spec.label!r} ({spec.cfg.get('_target_')}) must have capture(num_layers)"
+            " and be callable on an AttentionRecord"
+        )
+    return method
+
+
+def union_capture(methods: Sequence[Any], num_layers: int) -> Capture:
+    """The smallest capture serving every method (``Capture.union`` folded)."""
+    caps = [m.capture(num_layers) for m in methods]
+    out = caps[0]
+    for c in caps[1:]:
+        out = out.union(c, num_layers)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# metric cache
+# ---------------------------------------------------------------------------------------
+
+_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+class MetricCache:
+    """Per-image metric states on disk: ``root/<name>.json`` = ``{method key: state}``.
+
+    Files are written atomically (temp file + rename), so an interrupted run leaves every
+    file either complete or absent.
+    """
+
+    def __init__(self, root: Path, enabled: bool = True) -> None:
+        self.root = root
+        self.enabled = enabled
+        if enabled:
+            root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, name: str) -> Path:
+        safe = _SAFE.sub("_", name)
+        if safe != name:
+            safe = f"{safe}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+        return self.root / f"{safe}.json"
+
+    def load(self, name: str) -> dict[str, State]:
+        if not self.enabled:
+            return {}
+        p = self.path(name)
+        if not p.is_file():
+            return {}
+        try:
+            data = json.loads(p.read_text())
+            if data.get("name") != name:
+                return {}
+            return {k: state_from_dict(v) for k, v in data["methods"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            log.warning("ignoring unreadable metric cache file %s", p)
+            return {}
+
+    def save(self, name: str, states: dict[str, State]) -> None:
+        if not self.enabled:
+            return
+        data = {"name": name, "methods": {k: v.to_dict() for k, v in states.items()}}
+        with atomic_path(self.path(name)) as tmp:
+            tmp.write_text(json.dumps(data))
+
+
+# ---------------------------------------------------------------------------------------
+# scoring one batch
+# ---------------------------------------------------------------------------------------
+
+
+def _targets(batch: Sequence[Any]) -> list[Tensor]:
+    return [torch.from_numpy(np.ascontiguousarray(s.target)) for s in batch]
+
+
+def _method_maps(out: MethodOutput, sizes: list[tuple[int, int]], mask_at: str) -> list[tuple[Tensor, Tensor]]:
+    """Per image ``(R, mask)`` at its target size (protocol §3 post-processing).
+
+    ``mask_at="image"``: upsample bilinearly, min-max, threshold at the mean (ViT protocol);
+    ``"grid"``: threshold at the mean on the method's own grid, then nearest to the target
+    size (ConceptAttention's FLUX protocol); ``R`` for AP is the bilinear one in both.
+    """
+    b = out.heatmap.shape[0]
+    if len(sizes) != b:
+        raise ValueError(f"method returned {b} heatmaps for a batch of {len(sizes)}")
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, s in enumerate(sizes):
+        groups.setdefault(s, []).append(i)
+    res: list[tuple[Tensor, Tensor] | None] = [None] * b
+    for size, idx in groups.items():
+        sub = MethodOutput(
+            heatmap=out.heatmap[idx],
+            labels=None if out.labels is None else out.labels[idx],
+            foreground=None if out.foreground is None else out.foreground[idx],
+        )
+        r, mask = to_masks(sub, size)
+        if mask_at == "grid" and sub.labels is None:
+            grid_mask = threshold_mean(minmax(sub.heatmap.float()))
+            mask = labels_at(grid_mask.long(), size).bool()
+        for j, i in enumerate(idx):
+            res[i] = (r[j], mask[j])
+    return res  # type: ignore[return-value]
+
+
+def score_binary(out: MethodOutput, targets: list[Tensor], mask_at: str) -> list[BinaryState]:
+    maps = _method_maps(out, [tuple(t.shape) for t in targets], mask_at)
+    states = []
+    for (r, m), t in zip(maps, targets):
+        states.extend(binary_states(r[None].cpu(), m[None].cpu(), t[None].bool()))
+    return states
+
+
+def score_multiclass(out: MethodOutput, targets: list[Tensor], num_classes: int, label: str) -> list[MulticlassState]:
+    if out.labels is None:
+        raise ConfigError(
+            f"method {label!r} returns only a heatmap; multi-class sets need a region method"
+            " (MethodOutput.labels), e.g. the region-growing methods"
+        )
+    states = []
+    for i, t in enumerate(targets):
+        lab = labels_at(out.labels[i : i + 1], tuple(t.shape))[0].cpu()
+        states.append(hungarian_state(lab, t, num_classes))
+    return states
+
+
+# ---------------------------------------------------------------------------------------
+# panels
+# ---------------------------------------------------------------------------------------
+
+
+def _palette(n: int = 256) -> np.ndarray:
+    rng = np.random.default_rng(12345)
+    pal = rng.integers(40, 256, (n, 3), dtype=np.uint8)
+    pal[255] = 0  # ignore
+    return pal
+
+
+def _colour_heat(r: Tensor) -> np.ndarray:
+    import cv2
+
+    x = (r.clamp(0, 1).cpu().numpy() * 255).astype(np.uint8)
+    return cv2.cvtColor(cv2.applyColorMap(x, cv2.COLORMAP_INFERNO), cv2.COLOR_BGR2RGB)
+
+
+def _gray(mask: Tensor | np.ndarray) -> np.ndarray:
+    m = mask.cpu().numpy() if isinstance(mask, Tensor) else np.asarray(mask)
+    return np.repeat((m.astype(np.uint8) * 255)[..., None], 3, axis=2)
+
+
+def write_panel(path: Path, image, target: np.ndarray, rows: list[tuple[str, list[np.ndarray]]]) -> None:
+    """One PNG: per method a row ``image | heatmap | mask | ground truth`` (labelled)."""
+    import cv2
+    from PIL import Image
+
+    h, w = target.shape
+    img = np.asarray(image.convert("RGB").resize((w, h), Image.BILINEAR))
+    gt = _palette()[target] if target.dtype != bool else _gray(target)
+    pad = 4
+    lines = []
+    for label, tiles in rows:
+        row = [img, *tiles, gt]
+        row = [np.pad(t, ((0, 0), (0, pad), (0, 0)), constant_values=255) for t in row]
+        strip = np.concatenate(row, axis=1)
+        head = np.full((18, strip.shape[1], 3), 255, np.uint8)
+        cv2.putText(head, label, (2, 13), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (0, 0, 0), 1, cv2.LINE_AA)
+        lines.append(np.concatenate([head, strip, np.full((pad, strip.shape[1], 3), 255, np.uint8)], 0))
+    canvas = np.concatenate(lines, 0)
+    buf = io.BytesIO()
+    Image.fromarray(canvas).save(buf, format="PNG")
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(buf.getvalue())
+
+
+# ---------------------------------------------------------------------------------------
+# results
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Results:
+    """The table: one row per method, scores in percent."""
+
+    task: str
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return BINARY_COLUMNS if self.task == "binary" else MULTICLASS_COLUMNS
+
+    def markdown(self) -> str:
+        cols = ("method", *self.columns, "images")
+        lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for r in self.rows:
+            vals = [r["method"], *(f"{r[c]:.2f}" for c in self.columns), str(r["images"])]
+            lines.append("| " + " | ".join(vals) + " |")
+        return "\n".join(lines) + "\n"
+
+    def csv(self) -> str:
+        buf = io.StringIO()
+        wr = csv.DictWriter(buf, fieldnames=["method", *self.columns, "images"], lineterminator="\n")
+        wr.writeheader()
+        for r in self.rows:
+            wr.writerow({k: r[k] for k in ["method", *self.columns, "images"]})
+        return buf.getvalue()
+
+    def write(self, out: Path) -> None:
+        atomic_write_json(out / "results.json", self.rows)
+        atomic_write_text(out / "results.csv", self.csv())
+        atomic_write_text(out / "results.md", self.markdown())
+
+
+def _row(label: str, state: State) -> dict[str, Any]:
+    sc = state.scores()
+    row: dict[str, Any] = {"method": label, **sc.percent()}
+    if isinstance(state, MulticlassState):
+        row["iou"] = [None if math.isnan(x) else 100.0 * x for x in sc.iou]
+    return row
+
+
+# ---------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------
+
+
+def _output_dir(cfg: DictConfig) -> Path:
+    if cfg.get("output"):
+        return Path(str(cfg.output))
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir)
+    except ValueError:
+        raise ConfigError("no output folder: pass output=DIR (Hydra's run dir exists only under segment-eval)") from None
+
+
+def fingerprint(cfg: DictConfig) -> str:
+    """What decides the per-image numbers besides the method: model, data set, post-processing."""
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    if isinstance(model, dict):
+        model = {k: v for k, v in model.items() if k != "device"}
+    data = OmegaConf.to_container(cfg.dataset, resolve=True)
+    return config_hash({"model": model, "dataset": data, "mask_at": cfg.get("mask_at", "image")})
+
+
+def _instantiate_model(cfg: DictConfig, device: torch.device) -> Any:
+    from hydra.utils import instantiate
+
+    kwargs = {"device": str(device)} if "device" in cfg.model else {}
+    if cfg.get("seed") is not None:  # same random-init weights on every rank and rerun
+        torch.manual_seed(int(cfg.seed))
+    return instantiate(cfg.model, **kwargs)
+
+
+def _instantiate_dataset(cfg: DictConfig) -> Any:
+    from hydra.utils import instantiate
+
+    missing = [k for k in cfg.dataset if OmegaConf.is_missing(cfg.dataset, k)]
+    if missing:
+        raise ConfigError(f"dataset: set {', '.join('dataset.' + k for k in missing)} (e.g. dataset.{missing[0]}=PATH)")
+    try:
+        return instantiate(cfg.dataset)
+    except Exception as e:  # Hydra wraps constructor errors in InstantiationException
+        cause = e.__cause__ or e
+        if isinstance(cause, (FileNotFoundError, ValueError)):
+            raise ConfigError(str(cause)) from e
+        raise
+
+
+def run_eval(cfg: DictConfig) -> int:
+    """Evaluate the configured methods; returns the exit code (0 ok, 2 bad input/config,
+    130 interrupted: rerun with the same ``output`` to resume)."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    ctx = dist.init(cfg.get("device", "auto"))
+    try:
+        return _run(cfg, ctx)
+    except ConfigError as e:
+        print(f"segment-eval: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("segment-eval: interrupted; rerun with the same output= to resume from the metric cache",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        dist.close(ctx)
+
+
+def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
+    out_dir = Path(dist.broadcast(str(_output_dir(cfg)), ctx))
+    mask_at = str(cfg.get("mask_at", "image"))
+    if mask_at not in ("image", "grid"):
+        raise ConfigError(f"mask_at must be 'image' or 'grid', got {mask_at!r}")
+
+    dataset = _instantiate_dataset(cfg)
+    specs = resolve_methods(cfg)
+    for s in specs:
+        s.method = instantiate_method(s)
+    n = len(dataset)
+    limit = cfg.get("limit")
+    if limit is not None:
+        if int(limit) < 1:
+            raise ConfigError(f"limit must be a positive number of images, got {limit}")
+        n = min(n, int(limit))
+    indices = list(range(n))
+    names = [dataset.name(i) for i in indices]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{type(dataset).__name__}: item names are not unique")
+
+    cache = MetricCache(out_dir / "cache" / fingerprint(cfg), enabled=bool(cfg.get("cache", True)))
+    mine = dist.shard(indices, ctx)
+    keys = [s.key for s in specs]
+    states: dict[int, dict[str, State]] = {}
+    todo = []
+    for i in mine:
+        got = cache.load(names[i])
+        states[i] = got
+        if any(k not in got for k in keys):
+            todo.append(i)
+    log.info(
+        "rank %d/%d: %d images, %d from the cache, %d to score with %d methods",
+        ctx.rank, ctx.world_size, len(mine), len(mine) - len(todo), len(todo), len(specs),
+    )
+
+    t0 = time.perf_counter()
+    if todo:
+        _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at)
+    elapsed = time.perf_counter() - t0
+
+    gathered = dist.gather({i: {k: v.to_dict() for k, v in st.items()} for i, st in states.items()}, ctx)
+    if not ctx.is_main:
+        return EXIT_OK
+    per_image: dict[int, dict[str, dict]] = {}
+    for part in gathered or []:
+        per_image.update(part)
+    empty = (lambda: BinaryState()) if dataset.task == "binary" else (lambda: MulticlassState.zero(dataset.num_classes))
+    results = Results(task=dataset.task)
+    for s in specs:
+        acc = total((state_from_dict(per_image[i][s.key]) for i in indices), empty())
+        results.rows.append(_row(s.label, acc))
+    results.write(out_dir)
+    atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+    print(results.markdown(), end="")
+    if todo:
+        log.info("scored %d images in %.1f s (%.2f images/s on rank 0)", len(todo), elapsed, len(todo) / max(elapsed, 1e-9))
+    log.info("results in %s", out_dir)
+    return EXIT_OK
+
+
+def _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at) -> None:
+    from torch.utils.data import DataLoader, Subset
+    from tqdm import tqdm
+
+    backbone = _instantiate_model(cfg, ctx.device)
+    panels = int(cfg.get("panels", 4) or 0)
+    loader = DataLoader(
+        Subset(dataset, todo),
+        batch_size=int(cfg.get("batch_size", 8)),
+        shuffle=False,
+        num_workers=int(cfg.get("num_workers", 0) or 0),
+        collate_fn=list,
+    )
+    bar = tqdm(total=len(todo), desc="segment-eval", unit="img",
+               disable=not ctx.is_main or not cfg.get("progress", True), dynamic_ncols=True)
+    pos = 0
+    for batch in loader:
+        idx = todo[pos : pos + len(batch)]
+        pos += len(batch)
+        need = [s for s in specs if any(s.key not in states[i] for i in idx)]
+        capture = union_capture([s.method for s in need], backbone.num_layers)
+        pixels = backbone.collate([s.image for s in batch])
+        classes = [s.class_name for s in batch]
+        prompts = classes if all(c is not None for c in classes) else None
+        with torch.inference_mode():
+            record: AttentionRecord = backbone.extract(pixels, capture, prompts=prompts)
+            targets = _targets(batch)
+            panel_rows: dict[int, list] = {j: [] for j, i in enumerate(idx) if i < panels}
+            for s in need:
+                out = s.method(record)
+                if dataset.task == "binary":
+                    new = score_binary(out, targets, mask_at)
+                else:
+                    new = score_multiclass(out, targets, dataset.num_classes, s.label)
+                for j, i in enumerate(idx):
+                    states[i][s.key] = new[j]
+                if panel_rows:
+                    _panel_tiles(panel_rows, out, targets, mask_at, s.label, dataset.task)
+        for j, i in enumerate(idx):
+            cache.save(batch[j].name, states[i])
+        for j, rows in panel_rows.items():
+            write_panel(out_dir / "panels" / f"{_SAFE.sub('_', batch[j].name)}.png", batch[j].image, batch[j].target, rows)
+        bar.update(len(batch))
+    bar.close()
+
+
+def _panel_tiles(panel_rows, out: MethodOutput, targets, mask_at, label, task) -> None:
+    for j in panel_rows:
+        size = tuple(targets[j].shape)
+        one = MethodOutput(
+            heatmap=out.heatmap[j : j + 1],
+            labels=None if out.labels is None else out.labels[j : j + 1],
+            foreground=None if out.foreground is None else out.foreground[j : j + 1],
+        )
+        if task == "binary":
+            ((r, m),) = _method_maps(one, [size], mask_at)
+            panel_rows[j].append((label, [_colour_heat(r), _gray(m)]))
+        else:
+            r = heatmap_at(one.heatmap, size)[0]
+            lab = labels_at(one.labels, size)[0].cpu().numpy() % 255
+            panel_rows[j].append((label, [_colour_heat(r), _palette()[lab]]))
