@@ -72,10 +72,13 @@ def validate_alpha(alpha: float) -> float:
     return a
 
 
+_ROW_ATOL = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
 def validate_stochastic(
     attn: Tensor,
     *,
-    atol: float = 1e-3,
+    atol: float | None = None,
     name: str = "attention",
     check_rows: bool = True,
 ) -> None:
@@ -83,7 +86,8 @@ def validate_stochastic(
 
     Args:
         attn: ``(..., N, N)`` transition matrices.
-        atol: tolerance on ``|row sum - 1|``. Attention in fp16/bf16 needs a loose one.
+        atol: tolerance on ``|row sum - 1|``; ``None`` picks one for the dtype (1e-6 for
+            float64, 1e-3 for float32, 1e-2 for fp16, 2e-2 for bf16).
         name: what to call the tensor in error messages.
         check_rows: also check that rows sum to one (not only non-negative and finite).
 
@@ -124,12 +128,23 @@ def validate_stochastic(
                 f"{name} has {int(zero.sum())} rows that sum to 0 (masked or removed tokens);"
                 " renormalise them (strip_prefix(..., zero_rows='uniform')) or drop those tokens"
             )
+        if atol is None:
+            atol = _ROW_ATOL.get(attn.dtype, 1e-3)
         err = (sums - 1).abs().max().item()
         if err > atol:
             raise ValueError(
                 f"{name} rows must sum to 1 (row-stochastic); the largest deviation is"
                 f" {err:.3g} > atol={atol:g}"
             )
+
+
+def _chain(attn: Tensor) -> Tensor:
+    """Validated chain in the compute dtype; fp16/bf16 rows are renormalised in fp32."""
+    validate_stochastic(attn)
+    x = _as_compute(attn)
+    if attn.dtype in (torch.float16, torch.bfloat16):
+        x = x / x.sum(-1, keepdim=True)
+    return x
 
 
 def _check_square(attn: Tensor, name: str = "attention") -> None:
@@ -214,8 +229,7 @@ def damp(attn: Tensor, alpha: float = 0.99, personalization: Tensor | None = Non
         ``(..., N, N)`` irreducible, aperiodic row-stochastic chain (for ``alpha < 1``).
     """
     a = validate_alpha(alpha)
-    validate_stochastic(attn)
-    x = _as_compute(attn)
+    x = _chain(attn)
     e = _teleport(x, personalization)
     return a * x + (1 - a) * e.unsqueeze(-2)
 
@@ -290,8 +304,7 @@ def tokenrank(
     a = validate_alpha(alpha)
     if max_iter < 1:
         raise ValueError(f"max_iter must be >= 1, got {max_iter}")
-    validate_stochastic(attn)
-    x = _as_compute(attn)
+    x = _chain(attn)
     if direction == "outgoing":
         x = reverse_chain(x)
     elif direction != "incoming":
@@ -379,8 +392,7 @@ def bounce(
     """
     if int(steps) < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    validate_stochastic(attn)
-    x = _as_compute(attn)
+    x = _chain(attn)
     if direction == "source":
         x = reverse_chain(x)
     elif direction != "forward":
@@ -523,13 +535,13 @@ def lambda2(
     Returns:
         ``(...)`` float64 ``|lambda_2|`` or a :class:`Lambda2Result`.
     """
-    validate_stochastic(attn)
     if method not in ("auto", "krylov", "dense"):
         raise ValueError(f"method must be 'auto', 'krylov' or 'dense', got {method!r}")
+    x = _chain(attn)
     batch, n = attn.shape[:-2], attn.shape[-1]
     if n < 2:
         raise ValueError(f"lambda2 needs at least 2 tokens, got N = {n}")
-    x = _as_compute(attn).reshape(-1, n, n)
+    x = x.reshape(-1, n, n)
     m, dev = x.shape[0], x.device
     small = n <= 4 * max(1, int(block)) * max(2, int(passes))
     if method == "dense" or (method == "auto" and small):
@@ -564,20 +576,34 @@ def lambda2(
     return out if return_info else out.value
 
 
-def _orth_rows(z: Tensor, basis: Tensor | None) -> Tensor:
+def _orth_rows(z: Tensor, basis: Tensor | None, gen: torch.Generator) -> Tensor:
     """Orthonormal, sum-zero rows spanning ``z`` (M, b, N) minus its part in ``basis``.
 
-    Two rounds of block Gram-Schmidt plus QR; where ``z`` (nearly) lies in the span of
-    ``basis`` (an invariant subspace was found) the QR still returns orthonormal rows, which
-    the second round makes orthogonal to ``basis``: the subspace just grows in a new
-    direction, so no breakdown needs special handling.
+    Block Gram-Schmidt + QR, repeated while a round still removes more than half of some
+    row ("twice is enough" unless cancellation is severe, DGKS criterion). A row that lies
+    in the span of ``basis`` (an invariant subspace was reached) leaves only rounding noise
+    after projection; QR turns it into some unit direction and the further rounds make it
+    orthogonal, so the subspace still grows. Rows still failing after a few rounds are
+    replaced by random directions.
     """
-    for _ in range(2):
+
+    def project(v: Tensor) -> Tensor:
         if basis is not None:
-            z = z - torch.bmm(torch.bmm(z, basis.transpose(1, 2)), basis)
-        z = z - z.mean(-1, keepdim=True)
-        q, _ = torch.linalg.qr(z.transpose(1, 2))
+            v = v - torch.bmm(torch.bmm(v, basis.transpose(1, 2)), basis)
+        return v - v.mean(-1, keepdim=True)
+
+    for rnd in range(6):
+        before = z.norm(dim=-1)
+        p = project(z)
+        ok = p.norm(dim=-1) >= 0.5 * before
+        if rnd == 5 and not bool(ok.all()):  # give up on those rows: fresh directions
+            p = p.clone()
+            bad = ~ok
+            p[bad] = project(torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device))[bad]
+        q, _ = torch.linalg.qr(p.transpose(1, 2))
         z = q.transpose(1, 2)
+        if rnd >= 1 and bool(ok.all()):
+            break
     return z
 
 
@@ -634,12 +660,12 @@ def _lambda2_krylov(
 
     active = torch.arange(m, device=dev)
     mats = x
-    start = _orth_rows(torch.randn(m, b, n, generator=gen, dtype=dt).to(dev), None)
+    start = _orth_rows(torch.randn(m, b, n, generator=gen, dtype=dt).to(dev), None, gen)
     start_img = torch.bmm(start, mats)
     for cycle in range(max_cycles):
         rows, imgs = [start], [start_img]
         for _ in range(s - 1):
-            z = _orth_rows(imgs[-1], torch.cat(rows, 1))
+            z = _orth_rows(imgs[-1], torch.cat(rows, 1), gen)
             rows.append(z)
             imgs.append(torch.bmm(z, mats))  # (Ma, b, N) @ (Ma, N, N)
             matvecs[active] += b
@@ -744,4 +770,4 @@ def fuse_heads(attn: Tensor, weights: Tensor, *, head_dim: int = -3) -> Tensor:
     w = _as_compute(weights).to(device=x.device, dtype=x.dtype)
     if w.shape[-1] != x.shape[-3]:
         raise ValueError(f"weights have {w.shape[-1]} heads, attention has {x.shape[-3]}")
-    return (x * w[..., :, None, None]).sum(-3)
+    return torch.einsum("...hij,...h->...ij", x, w)  # no (..., H, N, N) temporary

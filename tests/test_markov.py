@@ -1,0 +1,323 @@
+"""Markov-chain core: hand-built chains with known answers, float64 references, properties."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.linalg
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from segment import markov
+
+
+def clustered_attention(batch: int, n: int, *, clusters: int = 4, sharp: float = 6.0,
+                        seed: int = 0, dtype=torch.float64) -> torch.Tensor:
+    """Attention-like chains: softmax of scaled similarities of clustered token features."""
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(batch, clusters, 16, generator=g, dtype=dtype)
+    assign = torch.randint(0, clusters, (batch, n), generator=g)
+    feats = centers.gather(1, assign[..., None].expand(-1, -1, 16))
+    feats = feats + 0.5 * torch.randn(batch, n, 16, generator=g, dtype=dtype)
+    feats = torch.nn.functional.normalize(feats, dim=-1)
+    return torch.softmax(sharp * feats @ feats.transpose(1, 2), -1)
+
+
+def stationary_reference(a: np.ndarray, alpha: float, e: np.ndarray | None = None) -> np.ndarray:
+    """``pi^T = (1 - alpha) e^T (I - alpha A)^{-1}`` in float64."""
+    n = a.shape[0]
+    e = np.full(n, 1.0 / n) if e is None else e / e.sum()
+    if alpha == 1.0:  # left null vector of (A - I) with the normalisation as extra row
+        m = np.vstack([a.T - np.eye(n), np.ones((1, n))])
+        rhs = np.zeros(n + 1)
+        rhs[-1] = 1
+        return np.linalg.lstsq(m, rhs, rcond=None)[0]
+    return (1 - alpha) * np.linalg.solve((np.eye(n) - alpha * a).T, e)
+
+
+def second_modulus_reference(a: np.ndarray) -> float:
+    ev = scipy.linalg.eigvals(a.astype(np.float64))
+    ev = np.delete(ev, np.argmin(np.abs(ev - 1)))
+    return float(np.abs(ev).max())
+
+
+# --------------------------------------------------------------------------- known chains
+
+
+def test_two_state_chain_known_answers():
+    p, q = 0.3, 0.1
+    a = torch.tensor([[1 - p, p], [q, 1 - q]], dtype=torch.float64)
+    res = markov.tokenrank(a, alpha=1.0, tol=1e-12, max_iter=2000, return_info=True)
+    assert torch.allclose(res.pi, torch.tensor([q, p], dtype=torch.float64) / (p + q), atol=1e-9)
+    assert bool(res.converged)
+    assert float(markov.lambda2(a)) == pytest.approx(abs(1 - p - q), abs=1e-12)
+    assert float(markov.lambda2(a, method="dense")) == pytest.approx(0.6, abs=1e-12)
+
+
+def metastable_chain(sizes: list[int], eps: float) -> torch.Tensor:
+    """``(1 - eps) blockdiag(J_k / k) + eps 11^T / N``: spectrum {1, 1-eps (x blocks-1), 0...}."""
+    n = sum(sizes)
+    b = torch.zeros(n, n, dtype=torch.float64)
+    i = 0
+    for k in sizes:
+        b[i:i + k, i:i + k] = 1.0 / k
+        i += k
+    return (1 - eps) * b + eps / n
+
+
+@pytest.mark.parametrize("method", ["krylov", "auto", "dense"])
+def test_block_diagonal_metastable_chain(method):
+    a = metastable_chain([40, 25, 60, 35], eps=0.02)  # N = 160, three eigenvalues 0.98
+    lam = markov.lambda2(a, method=method, return_info=True)
+    assert float(lam.value) == pytest.approx(0.98, abs=1e-8)
+    # stationary vector of this chain is uniform
+    pi = markov.tokenrank(a, alpha=0.99, tol=1e-12)
+    assert torch.allclose(pi, torch.full((160,), 1 / 160, dtype=torch.float64), atol=1e-10)
+
+
+def test_periodic_chain_needs_damping():
+    # 0 -> 1 -> {0, 2} -> 1: period 2, stationary (1/4, 1/2, 1/4), eigenvalues {1, -1, 0}
+    a = torch.tensor([[0, 1, 0], [0.5, 0, 0.5], [0, 1, 0]], dtype=torch.float64)
+    undamped = markov.tokenrank(a, alpha=1.0, tol=1e-10, max_iter=50, return_info=True)
+    assert not bool(undamped.converged)  # oscillates between two vectors forever
+    for alpha in (0.85, 0.99):
+        res = markov.tokenrank(a, alpha=alpha, tol=1e-13, max_iter=20000, return_info=True)
+        assert bool(res.converged)
+        ref = stationary_reference(a.numpy(), alpha)
+        np.testing.assert_allclose(res.pi.numpy(), ref, atol=1e-10)
+    close = markov.tokenrank(a, alpha=0.9999, tol=1e-14, max_iter=100000)
+    np.testing.assert_allclose(close.numpy(), [0.25, 0.5, 0.25], atol=1e-4)
+    # |lambda_2| = |-1| = 1; damping bounds it by alpha
+    assert float(markov.lambda2(a, method="dense")) == pytest.approx(1.0, abs=1e-12)
+    assert float(markov.lambda2(markov.damp(a, 0.9), method="dense")) == pytest.approx(0.9, abs=1e-12)
+
+
+def test_periodic_chain_krylov_path():
+    n = 64  # a cycle with self-loops is aperiodic; a bipartite "ping-pong" of two halves is not
+    a = torch.zeros(n, n, dtype=torch.float64)
+    a[: n // 2, n // 2:] = 2.0 / n
+    a[n // 2:, : n // 2] = 2.0 / n
+    lam = markov.lambda2(a, method="krylov", return_info=True)
+    assert float(lam.value) == pytest.approx(1.0, abs=1e-8)
+    assert abs(complex(lam.eigenvalue) - (-1)) < 1e-8
+
+
+def test_rank_one_chain_has_zero_lambda2():
+    row = torch.softmax(torch.randn(200, dtype=torch.float64), 0)
+    a = row.expand(200, 200).clone()
+    lam = markov.lambda2(a, method="krylov", return_info=True)
+    assert float(lam.value) < 1e-8
+    assert bool(lam.converged)
+
+
+# --------------------------------------------------------------------- float64 references
+
+
+@pytest.mark.parametrize("n", [64, 300])
+def test_tokenrank_matches_linear_solve(n):
+    a = clustered_attention(3, n, seed=n)
+    for alpha in (0.85, 0.99):
+        pi = markov.tokenrank(a, alpha=alpha, tol=1e-13, max_iter=5000)
+        for b in range(3):
+            ref = stationary_reference(a[b].numpy(), alpha)
+            np.testing.assert_allclose(pi[b].numpy(), ref, atol=1e-10)
+
+
+def test_tokenrank_personalization_and_outgoing():
+    a = clustered_attention(2, 50, seed=3)
+    e = torch.rand(2, 50, dtype=torch.float64)
+    pi = markov.tokenrank(a, alpha=0.85, tol=1e-14, max_iter=5000, personalization=e)
+    for b in range(2):
+        np.testing.assert_allclose(
+            pi[b].numpy(), stationary_reference(a[b].numpy(), 0.85, e[b].numpy()), atol=1e-10
+        )
+    out = markov.tokenrank(a, alpha=0.85, tol=1e-14, max_iter=5000, direction="outgoing")
+    rev = (a / a.sum(-2, keepdim=True)).transpose(-1, -2)
+    for b in range(2):
+        np.testing.assert_allclose(
+            out[b].numpy(), stationary_reference(rev[b].numpy(), 0.85), atol=1e-10
+        )
+
+
+def test_tokenrank_stops_per_batch_element():
+    slow = metastable_chain([10, 10], eps=0.001)  # mixes slowly
+    fast = torch.full((20, 20), 1 / 20, dtype=torch.float64)  # uniform: converged at once
+    e = torch.zeros(20, dtype=torch.float64)
+    e[0] = 1  # teleport to one token: the slow chain must walk its way to equilibrium
+    res = markov.tokenrank(torch.stack([slow, fast]), alpha=0.999, tol=1e-12, max_iter=100000,
+                           personalization=e, return_info=True)
+    assert res.iterations[1] < res.iterations[0]
+    assert bool(res.converged.all())
+    assert (res.residual < 1e-12).all()
+
+
+def test_bounce_matches_matrix_powers():
+    a = clustered_attention(2, 40, seed=1)
+    res = markov.bounce(a, 5, steps=4)
+    assert res.steps.shape == (2, 4, 40)
+    for k in range(1, 5):
+        ref = torch.linalg.matrix_power(a, k)[:, 5]
+        torch.testing.assert_close(res.steps[:, k - 1], ref, rtol=0, atol=1e-12)
+    # steps=1 is row selection
+    torch.testing.assert_close(markov.bounce(a, 7, 1).steps[:, 0], a[:, 7])
+    # batched starts: indices and distributions
+    idx = markov.bounce(a, torch.tensor([1, 2, 3]), steps=2)
+    assert idx.steps.shape == (2, 3, 2, 40)
+    v0 = torch.rand(2, 3, 40, dtype=torch.float64)
+    dist = markov.bounce(a, v0, steps=3)
+    torch.testing.assert_close(dist.last, v0 @ torch.linalg.matrix_power(a, 3))
+    # the source direction walks the column-normalised transpose
+    src = markov.bounce(a, 0, 2, direction="source").last
+    rev = (a / a.sum(-2, keepdim=True)).transpose(-1, -2)
+    torch.testing.assert_close(src, (rev @ rev)[:, 0])
+
+
+def test_lambda2_against_dense_float64_on_structured_chains():
+    a = clustered_attention(6, 400, clusters=5, sharp=8.0, seed=7)
+    fast = markov.lambda2(a.float(), method="auto", return_info=True)
+    for b in range(6):
+        ref = second_modulus_reference(a[b].numpy())
+        assert abs(float(fast.value[b]) - ref) < 1e-4, (b, float(fast.value[b]), ref)
+    assert not bool(fast.dense.any())  # the fast path sufficed
+
+
+def test_lambda2_degenerate_uniform_random_falls_back():
+    g = torch.Generator().manual_seed(0)
+    a = torch.rand(2, 300, 300, generator=g, dtype=torch.float64)
+    a = a / a.sum(-1, keepdim=True)  # no spectral gap: bulk on a circle ~ 1/sqrt(N)
+    kry = markov.lambda2(a, method="krylov", max_cycles=2, return_info=True)
+    auto = markov.lambda2(a, method="auto", max_cycles=2, return_info=True)
+    for b in range(2):
+        ref = second_modulus_reference(a[b].numpy())
+        assert abs(float(auto.value[b]) - ref) < 1e-10
+        assert float(kry.value[b]) <= ref + 1e-8  # Ritz values stay inside the spectrum's hull
+    assert bool(auto.dense[~kry.converged].all())
+
+
+def test_head_weights_and_fusion():
+    lam = torch.tensor([[0.2, 0.6, 0.2], [0.0, 0.0, 0.0]])
+    w = markov.head_weights(lam, "lambda2")
+    torch.testing.assert_close(w[0], torch.tensor([0.2, 0.6, 0.2]))
+    torch.testing.assert_close(w[1], torch.full((3,), 1 / 3))  # all zero -> uniform
+    torch.testing.assert_close(markov.head_weights(lam, "uniform"), torch.full((2, 3), 1 / 3))
+    sm = markov.head_weights(lam, "softmax", temperature=0.1)
+    torch.testing.assert_close(sm.sum(-1), torch.ones(2))
+    assert sm[0, 1] > w[0, 1]  # sharper than proportional
+    top = markov.head_weights(lam[:1], "top_k", k=1)
+    torch.testing.assert_close(top, torch.tensor([[0.0, 1.0, 0.0]]))
+    heads = clustered_attention(3, 20, seed=2).unsqueeze(0)  # (1, H=3, N, N)
+    fused = markov.fuse_heads(heads, w[:1])
+    ref = 0.2 * heads[0, 0] + 0.6 * heads[0, 1] + 0.2 * heads[0, 2]
+    torch.testing.assert_close(fused[0], ref)
+    markov.validate_stochastic(fused)
+
+
+def test_damp_and_strip_prefix():
+    a = clustered_attention(2, 30, seed=4)
+    t = markov.damp(a, 0.9)
+    torch.testing.assert_close(t, 0.9 * a + 0.1 / 30)
+    e = torch.zeros(30, dtype=torch.float64)
+    e[:3] = 1
+    tp = markov.damp(a, 0.5, personalization=e)
+    torch.testing.assert_close(tp[..., :3], 0.5 * a[..., :3] + 0.5 / 3)
+    s = markov.strip_prefix(a, 5)
+    assert s.shape == (2, 25, 25)
+    torch.testing.assert_close(s, a[:, 5:, 5:] / a[:, 5:, 5:].sum(-1, keepdim=True))
+    z = torch.zeros(4, 4)
+    z[:, 0] = 1  # every row attends only to the prefix token
+    with pytest.raises(ValueError, match="no mass left"):
+        markov.strip_prefix(z, 1)
+    torch.testing.assert_close(markov.strip_prefix(z, 1, zero_rows="uniform"), torch.full((3, 3), 1 / 3))
+
+
+def test_low_precision_inputs_compute_in_fp32():
+    a = clustered_attention(2, 64, seed=5)
+    ref = markov.tokenrank(a, tol=1e-10)
+    for dt in (torch.float16, torch.bfloat16):
+        x = a.to(dt)
+        x = x / x.float().sum(-1, keepdim=True).to(dt)  # renormalised in low precision
+        pi = markov.tokenrank(x, tol=1e-7)
+        assert pi.dtype == torch.float32
+        torch.testing.assert_close(pi.double(), ref, atol=2e-3, rtol=0.05)
+        assert markov.bounce(x, 0, 2).steps.dtype == torch.float32
+        lam = markov.lambda2(x)
+        assert torch.isfinite(lam).all()
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (torch.full((3, 3), float("nan")), "NaN/inf"),
+        (torch.tensor([[0.5, float("inf")], [0.5, 0.5]]), "NaN/inf"),
+        (torch.tensor([[1.5, -0.5], [0.5, 0.5]]), "negative"),
+        (torch.tensor([[0.0, 0.0], [0.5, 0.5]]), "sum to 0"),
+        (torch.tensor([[0.7, 0.7], [0.5, 0.5]]), "sum to 1"),
+        (torch.full((3, 4), 0.25), "square"),
+        (torch.tensor([1.0]), r"\(\.\.\., N, N\)"),
+        (torch.ones(2, 2, dtype=torch.long), "floating-point"),
+    ],
+)
+def test_bad_input_raises_clear_errors(bad, match):
+    for fn in (markov.tokenrank, markov.lambda2, lambda x: markov.bounce(x, 0, 2), markov.validate_stochastic):
+        with pytest.raises(ValueError, match=match):
+            fn(bad)
+
+
+@pytest.mark.parametrize("alpha", [0.0, -0.1, 1.5, float("nan"), "x"])
+def test_alpha_outside_unit_interval(alpha):
+    a = clustered_attention(1, 5)
+    with pytest.raises(ValueError, match="alpha"):
+        markov.tokenrank(a, alpha=alpha)
+    with pytest.raises(ValueError, match="alpha"):
+        markov.damp(a, alpha)
+
+
+def test_other_argument_errors():
+    a = clustered_attention(1, 5)
+    with pytest.raises(ValueError, match="steps"):
+        markov.bounce(a, 0, 0)
+    with pytest.raises(ValueError, match="start indices"):
+        markov.bounce(a, 9, 1)
+    with pytest.raises(ValueError, match="personalization"):
+        markov.tokenrank(a, personalization=-torch.ones(5))
+    with pytest.raises(ValueError, match="scheme"):
+        markov.head_weights(torch.rand(3), "nope")
+    with pytest.raises(ValueError, match="direction"):
+        markov.tokenrank(a, direction="sideways")
+
+
+# ----------------------------------------------------------------------------- properties
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    batch=st.lists(st.integers(1, 3), min_size=0, max_size=2),
+    n=st.integers(2, 40),
+    alpha=st.floats(0.5, 0.999),
+    seed=st.integers(0, 10_000),
+)
+def test_properties_random_shapes(batch, n, alpha, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = 3 * torch.randn(*batch, n, n, generator=g, dtype=torch.float64)
+    a = torch.softmax(logits, -1)
+    res = markov.tokenrank(a, alpha=alpha, tol=1e-12, max_iter=3000, return_info=True)
+    assert res.pi.shape == (*batch, n)
+    assert res.iterations.shape == tuple(batch)
+    assert (res.pi >= 0).all()
+    torch.testing.assert_close(res.pi.sum(-1), torch.ones(batch, dtype=torch.float64))
+    # stationarity of the damped chain
+    t = markov.damp(a, alpha)
+    torch.testing.assert_close((res.pi.unsqueeze(-2) @ t).squeeze(-2), res.pi, atol=1e-9, rtol=0)
+    lam = markov.lambda2(a)
+    assert lam.shape == tuple(batch)
+    assert ((lam >= 0) & (lam <= 1 + 1e-9)).all()
+    flat = a.reshape(-1, n, n)
+    for i in range(min(flat.shape[0], 2)):
+        assert abs(float(lam.reshape(-1)[i]) - second_modulus_reference(flat[i].numpy())) < 1e-6
+    steps = markov.bounce(a, 0, 3).steps
+    assert steps.shape == (*batch, 3, n)
+    torch.testing.assert_close(steps.sum(-1), torch.ones(*batch, 3, dtype=torch.float64))
