@@ -350,3 +350,19 @@ def test_bundled_examples_default_input(tmp_path):
         src = Image.open(Path(man["input"]) / f"{n}.png")
         assert Image.open(out / "masks" / f"{n}.png").size == src.size
     _ = SegmentRun  # public for benchmarks
+
+
+def test_pipeline_benchmark_runs(tmp_path):
+    from segment.bench_pipeline import main
+
+    out = tmp_path / "bench.json"
+    assert main(["--model", "vit_tiny_random", "--images", "5", "--repeats", "1", "--batch-size", "2",
+                 "--workers", "1", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["images"] == 5 and res["model"] == "vit_tiny_random"
+    assert res["bare_forward_median"] > 0 and res["pipeline_median"] > 0
+    assert res["ratio"] == pytest.approx(res["pipeline_median"] / res["bare_forward_median"], rel=1e-2)
+    assert res["pipeline_timings"][0]["model_s"] > 0
+    assert set(res["stages_cpu_ms_per_image"]) == {"read_preprocess", "bare_forward", "extract_method",
+                                                    "postprocess_write"}
+    assert 0 < res["serial_ratio"]
