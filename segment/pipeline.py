@@ -31,7 +31,7 @@ import os
 import time
 import warnings
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -313,6 +313,7 @@ class SegmentRun:
                 rec = load_record(self.out, f.name)
                 if record_is_current(rec, self.out, fingerprint=self.fingerprint,
                                      source_bytes=st.st_size, source_mtime_ns=st.st_mtime_ns):
+                    rec.source_path = str(f.path)  # the input folder may have moved
                     self.records[f.name] = rec
                     self.statuses[f.name] = _Status(f.name, f.rel, "resumed")
                     continue
@@ -390,6 +391,7 @@ class SegmentRun:
         bar = tqdm(total=len(todo), unit="img", desc="segment", disable=not self.progress, dynamic_ncols=True)
         prefetch = max(2 * self.batch_size, 2 * self.num_workers)
         max_pending_writes = max(2 * self.batch_size, 2 * self.num_workers)
+        max_held = 4 * self.batch_size  # images waiting in partly filled batches
         loader = ThreadPoolExecutor(self.num_workers, thread_name_prefix="segment-read")
         writer = ThreadPoolExecutor(self.num_workers, thread_name_prefix="segment-write")
         writes: deque[tuple[_Item, Future]] = deque()
@@ -462,6 +464,8 @@ class SegmentRun:
                     bucket.append(item)
                     if len(bucket) >= self.batch_size:
                         run_batch(buckets.pop(key))
+                    elif sum(map(len, buckets.values())) > max_held:  # many sizes: bound memory
+                        run_batch(buckets.pop(max(buckets, key=lambda k: len(buckets[k]))))
                 for key in list(buckets):
                     run_batch(buckets.pop(key))
                 drain(0)

@@ -135,7 +135,10 @@ def test_write_image_binary_files_at_original_resolution(tmp_path):
     # the record is on disk and describes the files
     back = load_record(tmp_path, "sub/cat")
     assert back == rec and rec.width == 45 and rec.height == 30
-    assert rec.outputs["mask"] == "masks/sub/cat.png" and rec.num_regions is None
+    assert rec.outputs["mask"] == "masks/sub/cat.png" == rel_output("mask", "sub/cat")
+    assert rec.outputs["thumb/overlay"] == "gallery/overlay/sub/cat.jpg" and rec.num_regions is None
+    with pytest.raises(ValueError, match="unknown output kind"):
+        rel_output("masks", "x")
     assert rec.mask_fraction == pytest.approx(seg.mask.mean())
     assert len(rec.annotations) == 1 and rec.annotations[0]["category_id"] == FOREGROUND_ID
 

@@ -194,37 +194,52 @@ def test_single_image_input_and_output_inside_input(tmp_path):
 # ----------------------------------------------------------------------------- batching
 
 
-def test_batches_hold_one_preprocessed_size(tmp_path):
-    """A backbone whose preprocessing keeps the orientation: batches never mix sizes."""
+class CroppingBackbone:
+    """Wraps a backbone; preprocessing crops the input to a width chosen per image, so that
+    images have different preprocessed sizes. Records the shape of every batch."""
+
+    def __init__(self, inner, width_of) -> None:
+        self.inner, self.width_of = inner, width_of
+        self.name, self.num_layers, self.num_heads = "cropping", inner.num_layers, inner.num_heads
+        self.patch_size, self.device = inner.patch_size, inner.device
+        self.shapes: list[tuple[int, ...]] = []
+
+    def preprocess(self, image):
+        return self.inner.preprocess(image)[:, :, : self.width_of(image)]
+
+    def extract(self, pixels, capture, prompts=None):
+        self.shapes.append(tuple(pixels.shape))
+        return self.inner.extract(pixels, capture)
+
+
+@pytest.mark.parametrize("mode", ["orientation", "many_sizes"])
+def test_batches_hold_one_preprocessed_size(tmp_path, mode):
+    """Batches never mix preprocessed sizes; with many sizes, partly filled batches are
+    flushed early (memory stays bounded) and every image is still segmented once."""
     from hydra.utils import instantiate
 
-    cfg = compose_cfg(None, tmp_path / "o")
-    inner = instantiate(cfg.model)
-    p = inner.patch_size[0]
-
-    class Oriented:
-        name, num_layers, num_heads, patch_size = "oriented", inner.num_layers, inner.num_heads, inner.patch_size
-        device = inner.device
-        shapes: list[tuple[int, ...]] = []
-
-        def preprocess(self, image):
-            x = inner.preprocess(image)
-            half = max(p, x.shape[2] // p // 2 * p)  # portrait: half the width, patch multiple
-            return x if image.width >= image.height else x[:, :, :half]
-
-        def extract(self, pixels, capture, prompts=None):
-            self.shapes.append(tuple(pixels.shape))
-            return inner.extract(pixels, capture)
-
+    inner = instantiate(compose_cfg(None, tmp_path / "o").model)
+    p = inner.patch_size[1]
+    full = inner.image_size[1]
     src = tmp_path / "in"
     src.mkdir()
-    for i in range(7):
-        (_img(40, 60, i) if i % 2 else _img(60, 40, i)).save(src / f"{i}.png")
-    bb = Oriented()
-    assert run_segment(compose_cfg(src, tmp_path / "o"), backbone=bb) == 0
-    assert sum(s[0] for s in bb.shapes) == 7
-    assert all(s[0] <= 3 for s in bb.shapes) and len({s[2:] for s in bb.shapes}) == 2
-    assert len(list((tmp_path / "o" / "masks").glob("*.png"))) == 7
+    if mode == "orientation":  # landscape: full width, portrait: half
+        n, batch = 7, 3
+        bb = CroppingBackbone(inner, lambda im: full if im.width >= im.height else full // p // 2 * p)
+        for i in range(n):
+            (_img(40, 60, i) if i % 2 else _img(60, 40, i)).save(src / f"{i}.png")
+    else:  # image width 40 + i -> its own crop width, 11 sizes in batches of 2
+        n, batch = 11, 2
+        bb = CroppingBackbone(inner, lambda im: p * (1 + (im.width - 40)))
+        for i in range(n):
+            _img(40, 40 + i, i).save(src / f"{i:02d}.png")
+    assert run_segment(compose_cfg(src, tmp_path / "o", f"batch_size={batch}"), backbone=bb) == 0
+    assert sum(s[0] for s in bb.shapes) == n
+    assert all(s[0] <= batch for s in bb.shapes)
+    assert len({s[2:] for s in bb.shapes}) == (2 if mode == "orientation" else n)
+    assert len(list((tmp_path / "o" / "masks").glob("*.png"))) == n
+    man = _manifest(tmp_path / "o")
+    assert man["counts"]["segmented"] == n and man["counts"]["failed"] == 0
 
 
 # ----------------------------------------------------------------------------- regions, interrupts
