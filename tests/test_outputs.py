@@ -40,6 +40,9 @@ from segment.outputs import (
 FAST = RenderOptions(fsync=False, thumb_size=32)
 
 
+# pycocotools 2.0.11 + numpy 2: a deprecation warning inside annToMask, not ours
+pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
+
 def _image(h: int, w: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
 

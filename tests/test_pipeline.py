@@ -19,6 +19,9 @@ from segment.pipeline import SegmentRun, config_fingerprint, run_segment
 from segment.record import AttentionRecord, Capture
 
 
+# pycocotools 2.0.11 + numpy 2: a deprecation warning inside annToMask, not ours
+pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
+
 def compose_cfg(input_path: Path | None, output: Path, *extra: str):
     overrides = [f"output='{output}'", "model=vit_tiny_random", "device=cpu", "progress=false",
                  "batch_size=3", "num_workers=2", "render.fsync=false", *extra]
