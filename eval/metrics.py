@@ -180,19 +180,20 @@ def binary_states(score: Tensor, pred: Tensor, gt: Tensor) -> list[BinaryState]:
             f"score, pred and gt must all be (B, H, W); got {tuple(score.shape)}, "
             f"{tuple(pred.shape)}, {tuple(gt.shape)}"
         )
-    p = pred.bool().flatten(1)
-    g = gt.to(p.device).bool().flatten(1)
-    correct = (p == g).sum(1)
-    inter_fg = (p & g).sum(1)
-    union_fg = (p | g).sum(1)
-    inter_bg = (~p & ~g).sum(1)
-    union_bg = (~p | ~g).sum(1)
+    p = _np(pred.bool()).reshape(pred.shape[0], -1)
+    g = _np(gt.bool()).reshape(gt.shape[0], -1)
+    n = p.shape[1]
+    inter_fg = np.count_nonzero(p & g, axis=1)  # numpy: bool reductions are slow in torch on CPU
+    union_fg = np.count_nonzero(p | g, axis=1)
+    inter_bg = n - union_fg  # |~P & ~G| = |~(P | G)|
+    union_bg = n - inter_fg  # |~P | ~G| = |~(P & G)|
+    correct = inter_fg + inter_bg
     out = []
     for i in range(p.shape[0]):
         out.append(
             BinaryState(
                 correct=int(correct[i]),
-                labeled=int(p.shape[1]),
+                labeled=int(n),
                 inter=[int(inter_bg[i]), int(inter_fg[i])],
                 union=[int(union_bg[i]), int(union_fg[i])],
                 ap_sum=pooled_average_precision(score[i], gt[i]),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import os
 import shutil
 import socket
@@ -20,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
 from PIL import Image
 
 import segment.eval.runner as runner
@@ -261,6 +259,19 @@ def test_limit_and_errors(folder, tmp_path, capsys):
     assert "dataset.root" in capsys.readouterr().err
     assert run_eval(cfg_for(*TINY, f"dataset.root={folder}", f"output={out}", "methods=[nope]")) == EXIT_BAD_INPUT
     assert "nope" in capsys.readouterr().err
+
+
+def test_mask_at_image_and_grid():
+    heat = torch.tensor([[[0.0, 1.0], [0.6, 0.7]]])  # mean 0.575 on the grid
+    out = MethodOutput(heatmap=heat)
+    ((r_img, m_img),) = runner._method_maps(out, [(4, 4)], "image")
+    ((r_grid, m_grid),) = runner._method_maps(out, [(4, 4)], "grid")
+    torch.testing.assert_close(r_img, r_grid)  # R (for AP) is the bilinear one either way
+    r, m = to_masks(out, (4, 4))
+    assert torch.equal(m_img, m[0])
+    expected = torch.tensor([[False, True], [True, True]]).repeat_interleave(2, 0).repeat_interleave(2, 1)
+    assert torch.equal(m_grid, expected)  # grid threshold, nearest upsampling: whole 2x2 cells
+    assert not torch.equal(m_img, m_grid)  # the bilinear ramp moves the boundary
 
 
 # ------------------------------------------------------------------------------ prompts
