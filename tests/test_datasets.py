@@ -228,6 +228,7 @@ def coco(tmp_path):
     return tmp_path / "img", ann, big, small
 
 
+@pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")  # pycocotools + numpy 2
 def test_coco_binary(coco):
     images, ann, big, small = coco
     from pycocotools import mask as mask_utils
