@@ -425,7 +425,7 @@ class TimmViT(Backbone):
                 if capture.keys:
                     handles.append(attn.k_norm.register_forward_hook(on_keys(i)))
             x = pixels.to(device=self.device, dtype=self.dtype)
-            with torch.inference_mode():
+            with torch.no_grad():
                 self.model.forward_intermediates(
                     x, indices=[max(reducer.layers)], stop_early=True,
                     intermediates_only=True, output_fmt="NLC",
@@ -440,7 +440,7 @@ class TimmViT(Backbone):
     def forward_plain(self, pixels: Tensor) -> Tensor:
         """The bare fused forward (``forward_features``): ``(B, N, C)`` final tokens."""
         self._set_grid(pixels)
-        with torch.inference_mode():
+        with torch.no_grad():
             return self.model.forward_features(pixels.to(device=self.device, dtype=self.dtype))
 
     def __repr__(self) -> str:
