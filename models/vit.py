@@ -219,7 +219,8 @@ class TimmViT(Backbone):
         if not hasattr(model, "blocks") or not hasattr(model, "forward_intermediates"):
             raise ValueError(f"{arch!r} is not a timm VisionTransformer (no .blocks)")
         # the position table as trained (fp32); resampled per input grid on demand
-        self._pos_prefix = 0 if getattr(model, "no_embed_class", False) else int(model.num_prefix_tokens)
+        no_embed_class = getattr(model, "no_embed_class", False)
+        self._pos_prefix = 0 if no_embed_class else int(model.num_prefix_tokens)
         self._pos_src = (
             None if model.pos_embed is None
             else model.pos_embed.detach().float().clone().to(self.device)
@@ -234,8 +235,10 @@ class TimmViT(Backbone):
         self.image_size = _pair(image_size, "model.image_size")
         self._check_size(self.image_size, "model.image_size")
         cfg = getattr(model, "pretrained_cfg", None) or {}
-        self.mean = tuple(float(v) for v in (mean if mean is not None else cfg.get("mean", (0.5,) * 3)))
-        self.std = tuple(float(v) for v in (std if std is not None else cfg.get("std", (0.5,) * 3)))
+        mean = mean if mean is not None else cfg.get("mean", (0.5,) * 3)
+        std = std if std is not None else cfg.get("std", (0.5,) * 3)
+        self.mean = tuple(float(v) for v in mean)
+        self.std = tuple(float(v) for v in std)
         if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
             raise ValueError(f"model.mean/std need 3 values (std > 0), got {self.mean}, {self.std}")
 
@@ -284,14 +287,17 @@ class TimmViT(Backbone):
             raise ValueError(
                 f"model.checkpoint: {path} does not fit {arch!r}"
                 + (f"; missing {len(missing)} keys (e.g. {missing[:4]})" if missing else "")
-                + (f"; unexpected {len(unexpected)} keys (e.g. {unexpected[:4]})" if unexpected else "")
+                + (f"; unexpected {len(unexpected)} keys (e.g. {unexpected[:4]})"
+                   if unexpected else "")
                 + (f"; shape mismatch: {wrong[:4]}" if wrong else "")
             )
         model.load_state_dict(sd, strict=True)
         return model
 
     @staticmethod
-    def _checkpoint_grid(sd: Mapping[str, Tensor], model: nn.Module, path: Path) -> tuple[int, int] | None:
+    def _checkpoint_grid(
+        sd: Mapping[str, Tensor], model: nn.Module, path: Path
+    ) -> tuple[int, int] | None:
         """The (square) patch grid of the checkpoint's position table, if it has one."""
         keys = [k for k in sd if k.endswith("pos_embed") or k.endswith("positional_embedding")]
         if not keys or model.pos_embed is None:
@@ -305,7 +311,8 @@ class TimmViT(Backbone):
         if side * side != n - prefix or side == 0:
             raise ValueError(
                 f"model.checkpoint: {path} has a position table of {n} entries, which is not"
-                f" {prefix} prefix + a square grid; it does not fit {model.default_cfg.get('architecture')}"
+                f" {prefix} prefix + a square grid; it does not fit"
+                f" {model.default_cfg.get('architecture')}"
             )
         return (side, side)
 

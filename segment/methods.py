@@ -97,7 +97,9 @@ def start_distribution(record: AttentionRecord, num_tokens: int, dtype: torch.dt
     for i, q in enumerate(queries):
         idx = torch.as_tensor(list(q), dtype=torch.long, device=device)
         if idx.numel() == 0 or bool(((idx < 0) | (idx >= num_tokens)).any()):
-            raise ValueError(f"query tokens of image {i} must lie in [0, {num_tokens}), got {list(q)}")
+            raise ValueError(
+                f"query tokens of image {i} must lie in [0, {num_tokens}), got {list(q)}"
+            )
         s[i, idx] = 1.0 / idx.numel()
     return s
 
@@ -433,7 +435,9 @@ class TokenRank(_ChainMethod):
         super().__post_init__()
         self.alpha = markov.validate_alpha(self.alpha)
         if self.direction not in ("incoming", "outgoing"):
-            raise ValueError(f"{self.name}: direction must be incoming/outgoing, got {self.direction!r}")
+            raise ValueError(
+                f"{self.name}: direction must be incoming/outgoing, got {self.direction!r}"
+            )
         if int(self.max_iter) < 1 or not float(self.tol) > 0:
             raise ValueError(
                 f"{self.name}: need max_iter >= 1 and tol > 0, got {self.max_iter}, {self.tol}"

@@ -9,7 +9,6 @@ import torch
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 
-from segment import markov
 from segment.masks import MethodOutput
 from segment.methods import Bounce, ClsAttention, Method, Rollout, TokenRank
 from segment.record import AttentionRecord, Capture, TokenLayout
