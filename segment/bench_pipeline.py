@@ -230,6 +230,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "method": getattr(method, "name", args.method),
         "device": str(device),
         "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "num_workers": cfg.get("num_workers"),
         "batch_size": args.batch_size,
         "model_load_s": round(load_s, 3),
@@ -258,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     res = run_benchmark(args)
     print(f"segment pipeline benchmark: {res['images']} images ({', '.join(res['input_sizes'])} model input), "
           f"{res['model']} [{res['weights']}], {res['method']}, {res['device']}, "
-          f"{res['torch_threads']} torch threads, batch {res['batch_size']}")
+          f"{res['torch_threads']} torch threads (OMP_WAIT_POLICY={res['omp_wait_policy'] or 'unset'}), "
+          f"batch {res['batch_size']}")
     print(f"  bare fused forward : {res['bare_forward_median']:8.2f} img/s  (runs {res['bare_forward_img_s']})")
     print(f"  whole pipeline     : {res['pipeline_median']:8.2f} img/s  (runs {res['pipeline_img_s']})")
     print(f"  ratio              : {res['ratio']:.3f}  (target >= {res['target_ratio']}: "
