@@ -430,7 +430,7 @@ def write_image(
         files["labels"] = _png(label_image(seg.labels, k), opts)
         small = cv2.resize(seg.labels.astype(np.float32), thumbs["mask"].shape[::-1],
                            interpolation=cv2.INTER_NEAREST).astype(np.int64)
-        thumbs["labels"] = palette(k)[small] if k <= 65536 else colorize(small / max(k - 1, 1))
+        thumbs["labels"] = palette(k)[small]
     outputs = {kind: rel_output(kind, name) for kind in files}
     for kind, data in files.items():
         write_file(root / outputs[kind], data, opts.fsync)

@@ -511,7 +511,7 @@ class SegmentRun:
                 self.out / "index.html", records, failed=skipped, title=f"segment: {self.out.name}",
                 summary=[
                     ("input", str(self.input_root)), ("model", str(model_name)), ("method", str(method_name)),
-                    ("images", f"{len(records)} segmented of {len(self.files)}; {len(skipped)} files skipped"),
+                    ("images", f"{len(records)} segmented of {len(self.files)}; {len(skipped)} file(s) not used"),
                 ],
                 thumb_size=self.opts.thumb_size,
             )
