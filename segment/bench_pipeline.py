@@ -125,7 +125,7 @@ def _stage_costs(backbone: Any, method: Any, files: list, batches: list, n: int,
     capture = method.capture(backbone.num_layers)
     outs = []
     c0 = time.process_time()
-    with torch.inference_mode():
+    with torch.no_grad():
         for b in batches:
             o = method(backbone.extract(b, capture))
             outs += [(o, i) for i in range(b.shape[0])]
@@ -189,7 +189,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         # warm-up: both paths once (allocator, pos_embed cache, thread pools)
         backbone.forward_plain(batches[0])
         capture = method.capture(backbone.num_layers)
-        with torch.inference_mode():
+        with torch.no_grad():
             method(backbone.extract(batches[0], capture))
         _sync(device)
 

@@ -360,7 +360,7 @@ class SegmentRun:
 
     def _forward(self, items: list[_Item]) -> MethodOutput:
         pixels = torch.stack([it.pixels for it in items])  # (B, 3, H, W)
-        with torch.inference_mode():
+        with torch.no_grad():
             record = self.backbone.extract(pixels, self.capture)
             out = self.method(record)
         return MethodOutput(
