@@ -442,7 +442,12 @@ class TimmViT(Backbone):
                 h.remove()
             for blk in blocks:
                 blk.attn.fused_attn = True
-        return reducer.record(image_size=(int(pixels.shape[-2]), int(pixels.shape[-1])))
+        mean = torch.tensor(self.mean, device=x.device).view(1, 3, 1, 1)
+        std = torch.tensor(self.std, device=x.device).view(1, 3, 1, 1)
+        rgb = (x.float() * std + mean).clamp_(0, 1)  # the input as RGB in [0, 1]
+        return reducer.record(
+            image_size=(int(pixels.shape[-2]), int(pixels.shape[-1])), pixels=rgb
+        )
 
     def forward_plain(self, pixels: Tensor) -> Tensor:
         """The bare fused forward (``forward_features``): ``(B, N, C)`` final tokens."""

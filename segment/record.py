@@ -130,6 +130,9 @@ class AttentionRecord:
         extras: backbone-specific tensors (e.g. ConceptAttention outputs), by name.
         num_layers: layers of the backbone that made the record (resolves a method's
             negative layer indices); ``None`` when unknown.
+        pixels: ``(B, 3, H, W)`` the backbone's input as RGB in ``[0, 1]`` (before
+            normalisation), for methods that refine masks on the image; ``None`` if the
+            backbone does not provide it.
     """
 
     attn: dict[int, Tensor]
@@ -141,6 +144,7 @@ class AttentionRecord:
     averaged_layers: tuple[int, ...] | None = None
     extras: dict[str, Tensor] = field(default_factory=dict)
     num_layers: int | None = None
+    pixels: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -175,4 +179,5 @@ class AttentionRecord:
         return replace(
             self, attn=mv(self.attn), keys=mv(self.keys), head_weights=mv(self.head_weights),
             extras=mv(self.extras),
+            pixels=None if self.pixels is None else self.pixels.to(device),
         )
