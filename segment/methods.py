@@ -59,6 +59,7 @@ import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from segment import markov
@@ -70,6 +71,7 @@ __all__ = [
     "Bounce",
     "ClsAttention",
     "Method",
+    "RegionGrow",
     "Rollout",
     "TokenRank",
     "grid_weights",
@@ -448,3 +450,221 @@ class TokenRank(_ChainMethod):
             chain, alpha=self.alpha, tol=float(self.tol), max_iter=int(self.max_iter),
             direction=self.direction,
         )
+
+
+# --------------------------------------------------------------------------------------
+# seed and grow (segment.regions)
+# --------------------------------------------------------------------------------------
+
+_CHAINS = ("attention", "keys", "mix")
+_SEEDS = ("all", "grid", "tokenrank")
+
+
+@dataclass
+class RegionGrow(Method):
+    """Seed and grow: regions as metastable states of a token chain (:mod:`segment.regions`).
+
+    1. the chain ``P`` over grid tokens of the selected layer(s): the patch chain of the
+       attention (``chain: attention``), the key-similarity chain
+       ``softmax(cos(k_i, k_j) / key_temperature)`` (``keys``), or their mixture
+       ``(1 - key_weight) P_attn + key_weight P_keys`` (``mix``); heads fused by ``heads``
+       (``mean`` or ``lambda2``: weights from ``|lambda_2|`` of each head's chain);
+    2. seeds: every token (``all``), a grid every ``seed_stride`` tokens (``grid``, the
+       DiffSeg baseline), or the ``num_seeds`` top TokenRank tokens of ``P`` with a
+       suppression window of ``seed_radius`` tokens (``tokenrank``);
+    3. ``steps``-bounce propagation from every seed, merged while the symmetric KL is below
+       ``tau`` (``iterations`` rounds);
+    4. soft assignment of tokens to proposals, upsampled to the backbone input, refined by
+       ``refine_steps`` bounces of the edge-aware pixel chain (needs ``record.pixels``),
+       argmax; regions split into connected components, components under
+       ``min_area`` (fraction of the image) absorbed;
+    5. foreground (binary tasks): a region whose mean CLS attention (``score_layers``,
+       mean of heads, bilinear on the image) exceeds the map's mean over the image. The
+       heatmap (for AP) is every pixel's expected region score ``sum_k p_k score_k``.
+
+    Returns ``MethodOutput(heatmap, labels, foreground)`` at the backbone input resolution.
+    """
+
+    name: str = "regions"
+    chain: str = "mix"
+    key_temperature: float = 0.05
+    key_fuse: str = "similarity"
+    key_weight: float = 0.5
+    seeds: str = "all"
+    seed_stride: int = 2
+    num_seeds: int = 64
+    seed_radius: int = 1
+    steps: int = 2
+    tau: float = 0.2
+    iterations: int = 3
+    score_layers: Sequence[int] | int | None = (-1,)
+    refine_steps: int = 3
+    refine_radius: int = 8
+    refine_dilation: int = 4
+    sigma_space: float = 5.0
+    sigma_color: float = 0.08
+    min_area: float = 0.0
+    connectivity: bool = True
+    decide: str = "proposals"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.chain not in _CHAINS:
+            raise ValueError(f"{self.name}: chain must be one of {_CHAINS}, got {self.chain!r}")
+        if self.seeds not in _SEEDS:
+            raise ValueError(f"{self.name}: seeds must be one of {_SEEDS}, got {self.seeds!r}")
+        if int(self.steps) < 1:
+            raise ValueError(f"{self.name}: steps must be >= 1, got {self.steps}")
+        if not 0.0 <= float(self.key_weight) <= 1.0:
+            raise ValueError(f"{self.name}: key_weight must lie in [0, 1], got {self.key_weight}")
+        if not float(self.tau) > 0 or not float(self.key_temperature) > 0:
+            raise ValueError(f"{self.name}: tau and key_temperature must be > 0")
+        if not 0.0 <= float(self.min_area) < 1.0:
+            raise ValueError(f"{self.name}: min_area is a fraction of the image in [0, 1)")
+        if self.decide not in ("proposals", "regions"):
+            raise ValueError(f"{self.name}: decide must be proposals/regions, got {self.decide!r}")
+        self._score = ClsAttention(name=f"{self.name}.score", layers=self.score_layers,
+                                   heads="mean")
+
+    @property
+    def _needs_keys(self) -> bool:
+        return self.chain in ("keys", "mix")
+
+    def capture(self, num_layers: int) -> Capture:
+        mine = Capture(
+            layers=Capture(layers=self.layers).resolve(num_layers),
+            heads="keep" if self._needs_keys or self.heads == "lambda2" else "mean",
+            keys=self._needs_keys,
+        )
+        return mine.union(self._score.capture(num_layers), num_layers)
+
+    def _heat(self, attn: Tensor, record: AttentionRecord) -> Tensor:  # pragma: no cover
+        raise NotImplementedError("regions builds its chain in __call__")
+
+    # the chain over grid tokens ----------------------------------------------------------
+
+    def _attention_chain(self, attn: Tensor, layout: TokenLayout) -> Tensor:
+        chain = patch_chain(_as_compute(attn), layout)  # (B, H, n, n)
+        if chain.shape[1] == 1:
+            return chain[:, 0]
+        return markov.fuse_heads(chain, grid_weights(chain, self.heads))
+
+    def _key_chain(self, keys: Tensor, layout: TokenLayout) -> Tensor:
+        from segment.regions import key_chain
+
+        k = _as_compute(keys[:, :, layout.patches])  # (B, H, n, D)
+        t = float(self.key_temperature)
+        if self.key_fuse == "concat":  # cosine of the whole key vectors (all heads)
+            return key_chain(k.transpose(1, 2).flatten(2), t)
+        per_head = key_chain(k, t)  # (B, H, n, n)
+        w = grid_weights(per_head, self.heads)  # (B, H)
+        if self.key_fuse == "chain":  # sum_h w_h softmax(cos_h / T)
+            return markov.fuse_heads(per_head, w)
+        # similarity: softmax_j(sum_h w_h cos_h(k_i, k_j) / T)
+        kn = F.normalize(k, dim=-1)
+        sim = torch.einsum("bh,bhid,bhjd->bij", w, kn, kn)
+        return torch.softmax(sim / t, dim=-1)
+
+    def grid_chain(self, record: AttentionRecord) -> Tensor:
+        """``(B, n, n)`` the chain the regions grow on (layers averaged)."""
+        layers = self._resolve(record)
+        layout = record.layout
+        chains = []
+        for i in layers:
+            if self.chain in ("attention", "mix"):
+                if i not in record.attn:
+                    raise ValueError(f"{self.name}: layer {i} was not captured ({record.layers})")
+                self._check_heads(record, i, record.attn[i])
+                pa = self._attention_chain(record.attn[i], layout)
+            if self.chain in ("keys", "mix"):
+                if i not in record.keys:
+                    raise ValueError(
+                        f"{self.name}: chain={self.chain} needs the keys of layer {i}; capture"
+                        " with method.capture(num_layers) (Capture.keys)"
+                    )
+                pk = self._key_chain(record.keys[i], layout)
+            if self.chain == "attention":
+                chains.append(pa)
+            elif self.chain == "keys":
+                chains.append(pk)
+            else:
+                wk = float(self.key_weight)
+                chains.append((1 - wk) * pa + wk * pk)
+        return torch.stack(chains).mean(0)
+
+    # the stage -----------------------------------------------------------------------------
+
+    def __call__(self, record: AttentionRecord) -> MethodOutput:
+        from segment import regions as rg
+
+        layout = record.layout
+        h, w = layout.grid
+        chain = self.grid_chain(record)  # (B, n, n)
+        b, n, _ = chain.shape
+        if self.seeds == "all":
+            seeds = torch.arange(n, device=chain.device)
+        elif self.seeds == "grid":
+            seeds = rg.grid_seeds((h, w), int(self.seed_stride), chain.device)
+        else:
+            rank = markov.tokenrank(chain, alpha=0.99)
+            seeds = rg.tokenrank_seeds(rank, (h, w), min(int(self.num_seeds), n),
+                                       int(self.seed_radius))
+        dist = rg.propagate(chain, seeds, int(self.steps))  # (B, S, n)
+        props = rg.merge_proposals(dist, float(self.tau), int(self.iterations))
+        grid_prob = rg.soft_assign(props).view(b, -1, h, w)  # (B, K, h, w)
+        kp = grid_prob.shape[1]
+        cls = self._score(record).heatmap.float()  # (B, h, w) CLS attention on the grid
+        size = tuple(record.image_size)
+        cls_img = F.interpolate(cls.unsqueeze(1), size=size, mode="bilinear",
+                                align_corners=False)[:, 0]
+        if self.decide == "proposals":  # mean CLS over each proposal's tokens, on the grid
+            prop_score = rg.region_scores(grid_prob.argmax(1), cls, kp)
+            prop_fg = prop_score > cls.flatten(1).mean(1, keepdim=True)
+
+        prob = F.interpolate(grid_prob, size=size, mode="bilinear", align_corners=False)
+        if int(self.refine_steps) > 0 and record.pixels is not None:
+            prob = rg.pixel_chain_refine(
+                prob, record.pixels.to(prob.device), radius=int(self.refine_radius),
+                dilation=int(self.refine_dilation), sigma_space=float(self.sigma_space),
+                sigma_color=float(self.sigma_color), steps=int(self.refine_steps),
+            )
+        hard = prob.argmax(1)  # (B, H, W) proposal of every pixel
+        if self.connectivity:
+            area = int(round(float(self.min_area) * size[0] * size[1]))
+            labels = rg.connected_regions(hard, min_area=area)
+        else:
+            labels = rg._relabel(hard)
+        k = int(labels.max()) + 1
+        cls_img = cls_img.to(labels.device)
+        if self.decide == "proposals":
+            # every region inherits the decision of the proposal most of its pixels took
+            votes = torch.zeros(b, k, kp, device=labels.device)
+            votes.view(b, -1).scatter_add_(
+                1, (labels * kp + hard).flatten(1), torch.ones_like(hard.flatten(1), dtype=votes.dtype)
+            )
+            foreground = torch.gather(prop_fg.to(labels.device), 1, votes.argmax(-1))
+        else:  # mean CLS inside each connected region, on the image
+            prop_score = rg.region_scores(hard, cls_img, kp)
+            reg = rg.region_scores(labels, cls_img, k)
+            foreground = reg > cls_img.flatten(1).mean(1, keepdim=True)
+        present = torch.zeros(b, k, dtype=torch.bool, device=labels.device)
+        present.scatter_(1, labels.flatten(1), True)
+        foreground &= present
+        # heatmap (AP): every pixel's expected proposal score under the soft assignment
+        heat = torch.einsum("bkhw,bk->bhw", prob, prop_score.to(prob))
+        # an image whose regions all fell on one side (one region, or a uniform decision)
+        # has no foreground/background split: fall back to the protocol's pixel rule on the
+        # CLS attention (heatmap and mask), the method's floor
+        fg_px = torch.gather(foreground, 1, labels.flatten(1))
+        flat = fg_px.all(1) | ~fg_px.any(1)
+        if bool(flat.any()):
+            r = cls_img.flatten(1)
+            heat = torch.where(flat.view(b, 1, 1), cls_img.to(heat), heat)
+            split = (r > r.mean(1, keepdim=True)).view_as(labels).long()
+            labels = torch.where(flat.view(b, 1, 1), split, labels)
+            if foreground.shape[1] < 2:
+                foreground = F.pad(foreground, (0, 1))
+            two = torch.zeros_like(foreground)
+            two[:, 1] = True
+            foreground = torch.where(flat.view(b, 1), two, foreground)
+        return MethodOutput(heatmap=heat, labels=labels, foreground=foreground)

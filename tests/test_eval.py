@@ -49,8 +49,13 @@ def make_folder(root: Path, n: int = 5, seed: int = 0) -> Path:
 
 
 def cfg_for(*overrides: str):
+    """The eval config; these tests are written against CLS attention as the first row, so
+    it is pinned unless a test chooses another `method=` (the shipped default is `regions`)."""
+    overrides = list(overrides)
+    if not any(o.startswith("method=") or o.startswith("experiment=") for o in overrides):
+        overrides.insert(0, "method=cls_attention")
     with initialize_config_module("segment.configs", version_base="1.3"):
-        return compose("eval", overrides=list(overrides))
+        return compose("eval", overrides=overrides)
 
 
 @pytest.fixture
@@ -387,7 +392,7 @@ def test_torchrun_two_ranks_equal_one(folder, tmp_path):
     logs = r2.stdout + r2.stderr  # Hydra's job logging writes to stdout
     assert "rank 0/2: 3 images" in logs and "rank 1/2: 2 images" in logs  # strided shards
     a, b = read_rows(one), read_rows(two)
-    assert [r["method"] for r in a] == [r["method"] for r in b] == ["cls_attention", "rollout", "bounce"]
+    assert [r["method"] for r in a] == [r["method"] for r in b] == ["regions", "rollout", "bounce"]
     for x, y in zip(a, b):
         assert x["images"] == y["images"] == 5
         for k in ("pixAcc", "mIoU", "mIoU_CA", "mAP"):

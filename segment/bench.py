@@ -1,0 +1,212 @@
+"""Benchmarks (scripts that print numbers and ratios against a baseline measured in the
+same run; never timed tests).
+
+    python -m segment.bench markov    [--sizes 257 1024 4096] [--device cpu|cuda] [--weights PATH]
+    python -m segment.bench regions   [--sizes 224 448] [--batch 8] [--weights PATH]
+    python -m segment.bench pipeline  ...   (segment.bench_pipeline)
+    python -m segment.bench flux      ...   (segment.bench_flux)
+
+``markov``: TokenRank and ``|lambda_2|`` on real DINOv2 ViT-S/14 attention heads (the
+shared weights, or ``--weights``; synthetic attention-like chains otherwise) against dense
+``torch.linalg.eigvals``, per head, with the error of the fast path against dense float64.
+``regions``: the seed-and-grow stage per image against the backbone forward of the same
+batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from segment import markov
+
+_SIZES = {257: 224, 1025: 448, 4097: 896, 256: 224, 1024: 448, 4096: 896}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn: Callable[[], object], device: torch.device, repeat: int = 1) -> float:
+    """Best wall time of ``repeat`` runs (seconds)."""
+    best = float("inf")
+    for _ in range(repeat):
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _find_weights(path: str | None) -> Path | None:
+    if path:
+        return Path(path)
+    shared = os.environ.get("SEGMENT_SHARED")
+    if shared and (Path(shared) / "weights" / "dinov2_vits14.safetensors").is_file():
+        return Path(shared) / "weights" / "dinov2_vits14.safetensors"
+    return None
+
+
+def _example_image():
+    from importlib.resources import files
+
+    from PIL import Image
+
+    return Image.open(files("segment.datasets").joinpath("examples", "astronaut.png")).convert("RGB")
+
+
+def real_heads(weights: Path, image_size: int, device: torch.device) -> torch.Tensor:
+    """``(L, H, N, N)`` attention of every layer of DINOv2 ViT-S/14 on a bundled example."""
+    from segment.models.vit import TimmViT
+    from segment.record import Capture
+
+    model = TimmViT(name="dinov2_vits14", arch="vit_small_patch14_dinov2.lvd142m",
+                    pretrained=False, checkpoint=str(weights), image_size=image_size,
+                    device=str(device))
+    rec = model.extract(model.collate([_example_image()]), Capture(layers=None, heads="keep"))
+    return torch.stack([rec.attn[i][0] for i in sorted(rec.attn)])
+
+
+def synthetic_heads(layers: int, heads: int, n: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    """Attention-like chains: softmax of scaled cosine similarities of clustered features."""
+    g = torch.Generator().manual_seed(seed)
+    m = layers * heads
+    centers = torch.randn(m, 8, 32, generator=g)
+    assign = torch.randint(0, 8, (m, n), generator=g)
+    feats = centers.gather(1, assign[..., None].expand(-1, -1, 32)) + 0.7 * torch.randn(m, n, 32, generator=g)
+    feats = torch.nn.functional.normalize(feats, dim=-1)
+    sharp = torch.linspace(4, 14, m).view(m, 1, 1)
+    a = torch.softmax(sharp * feats @ feats.transpose(1, 2), -1)
+    return a.view(layers, heads, n, n).to(device)
+
+
+def bench_markov(argv: Sequence[str]) -> None:
+    p = argparse.ArgumentParser(prog="python -m segment.bench markov")
+    p.add_argument("--sizes", type=int, nargs="+", default=[257, 1025, 4097],
+                   help="token counts N (with CLS): 257, 1025, 4097 = 224, 448, 896 px")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--weights", default=None, help="DINOv2 ViT-S/14 safetensors (default: $SEGMENT_SHARED)")
+    p.add_argument("--dense-heads", type=int, default=6,
+                   help="heads timed with dense eigvals (spread over the layers); 1 at N=4097")
+    p.add_argument("--layers", default="all", choices=["all", "last3"],
+                   help="which layers' heads lambda2 runs on (N=4097 always uses last3)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    weights = _find_weights(args.weights)
+    src = f"DINOv2 ViT-S/14 heads ({weights})" if weights else "synthetic attention-like chains"
+    print(f"# Markov benchmark: {src}; device {device}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    print("| N | layers | heads | tokenrank ms/head | lambda2 ms/head | dense eigvals ms/head"
+          " | speed-up | max err vs dense f64 (heads) | dense fallbacks |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for n_tok in args.sizes:
+        size = _SIZES.get(n_tok)
+        if weights and size:
+            attn = real_heads(weights, size, device)
+        else:
+            attn = synthetic_heads(12, 6, n_tok, device)
+        num_l, num_h, n, _ = attn.shape
+        last3 = args.layers == "last3" or n > 2000
+        sel = attn[-3:] if last3 else attn
+        flat = sel.reshape(-1, n, n)
+        t_tr = _time(lambda: markov.tokenrank(flat, alpha=0.99, tol=1e-6), device)
+        chains = markov.strip_prefix(flat, 1, zero_rows="uniform")  # patch chains
+        res: list[markov.Lambda2Result] = []
+        t_l2 = _time(lambda: res.append(markov.lambda2(chains, return_info=True)), device)
+        info = res[-1]
+        k = 1 if n > 2000 else min(args.dense_heads, chains.shape[0])
+        idx = torch.linspace(0, chains.shape[0] - 1, k).round().long()
+        dense_vals = []
+        t_dense = _time(lambda: dense_vals.append(
+            torch.stack([torch.linalg.eigvals(chains[i]) for i in idx])), device) / k
+        ref = markov.lambda2_dense(chains[idx])
+        err = (info.value[idx] - ref).abs().max().item()
+        m = chains.shape[0]
+        per_l2 = 1e3 * t_l2 / m
+        print(f"| {n} | {'9-11' if last3 else f'0-{num_l - 1}'} | {m} | {1e3 * t_tr / m:.2f} | "
+              f"{per_l2:.2f} | {1e3 * t_dense:.1f} | {1e3 * t_dense / per_l2:.0f}x | "
+              f"{err:.1e} ({k}) | {int(info.dense.sum())}/{m} |", flush=True)
+
+
+def bench_regions(argv: Sequence[str]) -> None:
+    from hydra import compose, initialize_config_module
+    from hydra.utils import instantiate
+
+    from segment.models.vit import TimmViT
+
+    p = argparse.ArgumentParser(prog="python -m segment.bench regions")
+    p.add_argument("--sizes", type=int, nargs="+", default=[224, 448])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--weights", default=None)
+    p.add_argument("overrides", nargs="*", help="method overrides, e.g. method.refine_steps=0")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    weights = _find_weights(args.weights)
+    with initialize_config_module(version_base="1.3", config_module="segment.configs"):
+        cfg = compose("segment", overrides=list(args.overrides))
+    method = instantiate(cfg.method)
+    print(f"# region growing vs backbone forward: method {type(method).__name__}, device "
+          f"{device}, {torch.get_num_threads()} threads, batch {args.batch}, "
+          f"weights {weights or 'random init'}")
+    print("| px | tokens | forward ms/img | extract ms/img | regions ms/img | regions / forward |"
+          " of which pixel refinement ms/img |")
+    print("|---|---|---|---|---|---|---|")
+    img = _example_image()
+    for size in args.sizes:
+        model = TimmViT(name="dinov2_vits14", arch="vit_small_patch14_dinov2.lvd142m",
+                        pretrained=False, checkpoint=str(weights) if weights else None,
+                        image_size=size, device=str(device))
+        x = model.collate([img] * args.batch).to(device)
+        cap = method.capture(model.num_layers)
+        with torch.no_grad():
+            t_fwd = _time(lambda: model.forward_plain(x), device, args.repeat)
+            rec = model.extract(x, cap)
+            t_ext = _time(lambda: model.extract(x, cap), device, args.repeat)
+            t_reg = _time(lambda: method(rec), device, args.repeat)
+            refine = getattr(method, "refine_steps", 0)
+            if refine:
+                method.refine_steps = 0
+                t_noref = _time(lambda: method(rec), device, args.repeat)
+                method.refine_steps = refine
+            else:
+                t_noref = t_reg
+        b = args.batch
+        print(f"| {size} | {rec.layout.num_tokens} | {1e3 * t_fwd / b:.1f} | {1e3 * t_ext / b:.1f} | "
+              f"{1e3 * t_reg / b:.1f} | {t_reg / t_fwd:.2f} | {1e3 * (t_reg - t_noref) / b:.1f} |",
+              flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return
+    what, rest = argv[0], argv[1:]
+    if what == "markov":
+        bench_markov(rest)
+    elif what == "regions":
+        bench_regions(rest)
+    elif what == "pipeline":
+        from segment.bench_pipeline import main as run
+
+        run(rest)
+    elif what == "flux":
+        from segment.bench_flux import main as run
+
+        run(rest)
+    else:
+        raise SystemExit(f"unknown benchmark {what!r}: choose markov, regions, pipeline or flux")
+
+
+if __name__ == "__main__":
+    main()
