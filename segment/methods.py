@@ -56,6 +56,7 @@ differently).
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 import torch
@@ -457,7 +458,7 @@ class TokenRank(_ChainMethod):
 # --------------------------------------------------------------------------------------
 
 _CHAINS = ("attention", "keys", "mix")
-_SEEDS = ("all", "grid", "tokenrank")
+_SEEDS = ("auto", "all", "grid", "tokenrank")
 
 
 @dataclass
@@ -470,8 +471,9 @@ class RegionGrow(Method):
        ``(1 - key_weight) P_attn + key_weight P_keys`` (``mix``); heads fused by ``heads``
        (``mean`` or ``lambda2``: weights from ``|lambda_2|`` of each head's chain);
     2. seeds: every token (``all``), a grid every ``seed_stride`` tokens (``grid``, the
-       DiffSeg baseline), or the ``num_seeds`` top TokenRank tokens of ``P`` with a
-       suppression window of ``seed_radius`` tokens (``tokenrank``);
+       DiffSeg baseline), the ``num_seeds`` top TokenRank tokens of ``P`` with a
+       suppression window of ``seed_radius`` tokens (``tokenrank``), or ``auto``: every
+       token up to ``max_seeds`` tokens, else the densest grid with at most that many;
     3. ``steps``-bounce propagation from every seed, merged while the symmetric KL is below
        ``tau`` (``iterations`` rounds);
     4. soft assignment of tokens to proposals, upsampled to the backbone input, refined by
@@ -490,7 +492,8 @@ class RegionGrow(Method):
     key_temperature: float = 0.05
     key_fuse: str = "similarity"
     key_weight: float = 0.5
-    seeds: str = "all"
+    seeds: str = "auto"
+    max_seeds: int = 256
     seed_stride: int = 2
     num_seeds: int = 64
     seed_radius: int = 1
@@ -503,7 +506,7 @@ class RegionGrow(Method):
     refine_dilation: int = 4
     sigma_space: float = 5.0
     sigma_color: float = 0.08
-    min_area: float = 0.0
+    min_area: float = 0.002
     connectivity: bool = True
     decide: str = "proposals"
 
@@ -556,10 +559,14 @@ class RegionGrow(Method):
         t = float(self.key_temperature)
         if self.key_fuse == "concat":  # cosine of the whole key vectors (all heads)
             return key_chain(k.transpose(1, 2).flatten(2), t)
-        per_head = key_chain(k, t)  # (B, H, n, n)
-        w = grid_weights(per_head, self.heads)  # (B, H)
-        if self.key_fuse == "chain":  # sum_h w_h softmax(cos_h / T)
-            return markov.fuse_heads(per_head, w)
+        b, h = k.shape[:2]
+        if self.heads == "mean" and self.key_fuse == "similarity":
+            w = torch.full((b, h), 1.0 / h, dtype=k.dtype, device=k.device)
+        else:  # per-head chains: fused directly, or for their lambda_2
+            per_head = key_chain(k, t)  # (B, H, n, n)
+            w = grid_weights(per_head, self.heads)  # (B, H)
+            if self.key_fuse == "chain":  # sum_h w_h softmax(cos_h / T)
+                return markov.fuse_heads(per_head, w)
         # similarity: softmax_j(sum_h w_h cos_h(k_i, k_j) / T)
         kn = F.normalize(k, dim=-1)
         sim = torch.einsum("bh,bhid,bhjd->bij", w, kn, kn)
@@ -603,6 +610,9 @@ class RegionGrow(Method):
         b, n, _ = chain.shape
         if self.seeds == "all":
             seeds = torch.arange(n, device=chain.device)
+        elif self.seeds == "auto":  # every token up to max_seeds, else the densest grid below
+            stride = max(1, math.ceil(math.sqrt(n / max(1, int(self.max_seeds)))))
+            seeds = rg.grid_seeds((h, w), stride, chain.device)
         elif self.seeds == "grid":
             seeds = rg.grid_seeds((h, w), int(self.seed_stride), chain.device)
         else:

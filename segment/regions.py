@@ -189,25 +189,32 @@ class Proposals:
         return Proposals(dist=dist, valid=torch.gather(self.valid, 1, order))
 
 
-def _leaders(close: Tensor, valid: Tensor) -> Tensor:
-    """Greedy leader clustering of ``(B, S, S)`` "close" graphs, batched over images.
+def _leaders(dist: Tensor, valid: Tensor, threshold: float) -> Tensor:
+    """Greedy leader clustering of proposals ``(B, S, n)`` at symmetric KL ``threshold``.
 
-    Slots are visited in order; an unassigned valid slot becomes a leader and takes every
-    unassigned valid slot close to it (not transitively: a chain of small steps does not
-    merge distant proposals). Returns ``(B, S)`` the leader index of every slot (invalid
-    slots point to themselves).
+    Slots are visited in order; the first unassigned valid slot becomes a leader and takes
+    every unassigned valid slot closer than ``threshold`` to it (not transitively: a chain
+    of small steps does not merge distant proposals). One pass per leader, all images at
+    once, and only the leaders' rows of the KL matrix are computed. Returns ``(B, S)`` the
+    leader index of every slot (invalid slots point to themselves).
     """
-    b, s, _ = close.shape
-    lab = torch.arange(s, device=close.device).expand(b, s).clone()
+    b, s, _ = dist.shape
+    rows = torch.arange(b, device=dist.device)
+    lab = torch.arange(s, device=dist.device).expand(b, s).clone()
     free = valid.clone()
-    rows = torch.arange(b, device=close.device)
-    for i in range(s):
-        lead = free[:, i]
-        if not bool(lead.any()):
-            continue
-        take = close[:, i, :] & free & lead.unsqueeze(1)
-        take[rows, i] |= lead
-        lab = torch.where(take, torch.full_like(lab, i), lab)
+    p = dist.float().clamp_min(1e-8)
+    logp = p.log()
+    ent = (p * logp).sum(-1)  # (B, S): sum p log p
+    while bool(free.any()):
+        has = free.any(1)  # (B,)
+        lead = free.to(torch.int8).argmax(1)  # the first free slot of every image
+        pl, lpl = p[rows, lead], logp[rows, lead]  # (B, n)
+        cross_lq = torch.einsum("bn,bsn->bs", pl, logp)  # sum_n p_lead log q_s
+        cross_ql = torch.einsum("bsn,bn->bs", p, lpl)  # sum_n q_s log p_lead
+        kl = (0.5 * ((ent[rows, lead].unsqueeze(1) - cross_lq) + (ent - cross_ql))).clamp_min(0)
+        take = (kl < threshold) & free & has.unsqueeze(1)
+        take[rows, lead] |= has
+        lab = torch.where(take, lead.unsqueeze(1), lab)
         free &= ~take
     return lab
 
@@ -251,9 +258,7 @@ def merge_proposals(
         near = (kl < tau) & pair
         w = near.to(d.dtype)
         d = (w @ d) / w.sum(-1, keepdim=True).clamp_min(1)
-        kl = symmetric_kl(d, d)
-        dup = (kl < dedupe * tau) & pair
-        lab = _leaders(dup, valid)  # representative = the leader slot
+        lab = _leaders(d, valid, dedupe * tau)  # representative = the leader slot
         onehot = (lab.unsqueeze(-1) == torch.arange(s, device=d.device)).to(d.dtype)  # (B, S, S)
         onehot = onehot * valid.unsqueeze(-1).to(d.dtype)
         counts = onehot.sum(1)  # (B, S): members per representative slot
@@ -333,9 +338,8 @@ def connected_regions(labels: Tensor, min_area: int = 0) -> Tensor:
     """Split every region into its connected components and absorb tiny ones.
 
     Components are 8-connected (OpenCV ``connectedComponents`` on CPU, kornia's exact
-    ``connected_components_union_find`` on CUDA: the same components). A component smaller than
-    ``min_area`` pixels takes the most frequent label among its 4-neighbours (repeated
-    until no tiny component touches a larger one).
+    ``connected_components_union_find`` on CUDA: the same components). Components smaller
+    than ``min_area`` pixels are filled by the kept regions around them.
 
     Args:
         labels: ``(B, H, W)`` integer region labels.
@@ -392,39 +396,32 @@ def _relabel(labels: Tensor) -> Tensor:
 
 
 def _absorb_small(labels: Tensor, min_area: int) -> Tensor:
+    """Components under ``min_area`` pixels take the labels of their kept neighbours.
+
+    The kept regions grow into the removed pixels one 8-neighbourhood step at a time (a
+    max-pool of the label ids), so every removed pixel ends up with the label of a nearby
+    kept region; batched and GPU-friendly. An image whose components are all small keeps
+    them.
+    """
     lab = _relabel(labels)
     b, h, w = lab.shape
-    for _ in range(8):
-        k = int(lab.max()) + 1
-        area = torch.zeros(b, k, device=lab.device, dtype=torch.long)
-        area.scatter_add_(1, lab.flatten(1), torch.ones_like(lab.flatten(1)))
-        small = (area < min_area) & (area > 0)
-        # never absorb an image's only region
-        small &= (area > 0).sum(1, keepdim=True) > 1
-        if not bool(small.any()):
+    k = int(lab.max()) + 1
+    area = torch.zeros(b, k, device=lab.device, dtype=torch.long)
+    area.scatter_add_(1, lab.flatten(1), torch.ones_like(lab.flatten(1)))
+    present = area > 0
+    small = (area < min_area) & present
+    all_small = (small | ~present).all(1, keepdim=True)
+    small &= ~all_small  # an image of small components only keeps them
+    tiny = torch.gather(small, 1, lab.flatten(1)).view(b, h, w)
+    cur = torch.where(tiny, torch.full_like(lab, -1), lab)
+    for _ in range(h + w):
+        missing = cur < 0
+        if not bool(missing.any()):
             break
-        tiny = torch.gather(small, 1, lab.flatten(1)).view(b, h, w)
-        onehot = F.one_hot(lab, k).permute(0, 3, 1, 2).float()
-        onehot = onehot * (~tiny).unsqueeze(1).float()  # votes only from kept regions
-        votes = F.conv2d(
-            onehot.reshape(b * k, 1, h, w),
-            torch.tensor([[[[0.0, 1, 0], [1, 0, 1], [0, 1, 0]]]], device=lab.device),
-            padding=1,
-        ).view(b, k, h, w)
-        # a tiny component takes the label most voted along its whole border
-        comp_votes = torch.zeros(b, k, k, device=lab.device)
-        idx = lab.flatten(1)
-        comp_votes.scatter_add_(
-            1, idx.unsqueeze(-1).expand(b, h * w, k), votes.flatten(2).transpose(1, 2)
-        )
-        target = comp_votes.argmax(-1)  # (B, K): best neighbour per component
-        reach = comp_votes.amax(-1) > 0
-        move = small & reach
-        if not bool(move.any()):
-            break
-        new = torch.where(torch.gather(move, 1, idx), torch.gather(target, 1, idx), idx)
-        lab = _relabel(new.view(b, h, w))
-    return lab
+        grown = F.max_pool2d((cur + 1).float().unsqueeze(1), 3, stride=1, padding=1)
+        grown = grown.squeeze(1).long() - 1
+        cur = torch.where(missing & (grown >= 0), grown, cur)
+    return cur
 
 
 def region_scores(labels: Tensor, score: Tensor, num: int | None = None) -> Tensor:

@@ -287,3 +287,40 @@ def test_region_grow_falls_back_to_cls_threshold_without_a_split():
     _, mask = to_masks(out, (32, 32))
     assert torch.equal(mask, ref > ref.flatten(1).mean(1).view(-1, 1, 1))
     assert 0 < int(mask.sum()) < 32 * 32
+
+
+def test_multiclass_experiment_grid_vs_tokenrank_seeds(tmp_path):
+    """experiment=regions_cityscapes27 end to end on a small fixture of the Cityscapes
+    layout: both seeding rows are scored with per-image Hungarian matching."""
+    import json
+
+    from hydra import compose, initialize_config_module
+    from PIL import Image
+
+    from segment.eval.runner import run_eval
+
+    root = tmp_path / "cityscapes"
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        d = root / "leftImg8bit" / "val" / "city"
+        g = root / "gtFine" / "val" / "city"
+        d.mkdir(parents=True, exist_ok=True)
+        g.mkdir(parents=True, exist_ok=True)
+        img = np.zeros((56, 112, 3), np.uint8)
+        img[:, 56:] = 200  # two halves, two classes (road = 7 -> 0, sky = 23 -> 16)
+        Image.fromarray(img).save(d / f"c_{i}_leftImg8bit.png")
+        lab = np.full((56, 112), 7, np.uint8)
+        lab[:, 56:] = 23
+        Image.fromarray(lab).save(g / f"c_{i}_gtFine_labelIds.png")
+    out = tmp_path / "out"
+    with initialize_config_module(version_base="1.3", config_module="segment.configs"):
+        cfg = compose("eval", overrides=[
+            "experiment=regions_cityscapes27", "model=vit_tiny_random", "model.image_size=56",
+            "device=cpu", "progress=false", f"dataset.root={root}", "dataset.size=[56,56]",
+            f"output={out}", "batch_size=2", "panels=0", "methods.tokenrank_seeds.num_seeds=16",
+        ])
+    assert run_eval(cfg) == 0
+    rows = json.loads((out / "results.json").read_text())
+    assert [r["method"] for r in rows] == ["grid_seeds", "tokenrank_seeds"]
+    for r in rows:
+        assert r["images"] == 2 and 0 <= r["ACC"] <= 100 and len(r["iou"]) == 27
