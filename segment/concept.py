@@ -107,6 +107,3 @@ class ConceptAttention(Method):
         if maps.shape[-1] != h * w:
             raise ValueError(f"{self.name}: {maps.shape[-1]} image tokens for a {h}x{w} grid")
         return MethodOutput(heatmap=maps[:, self.concept].reshape(maps.shape[0], h, w))
-
-    def _heat(self, attn: Tensor, record: AttentionRecord) -> Tensor:  # pragma: no cover
-        raise NotImplementedError("concept attention reads the record's concept scores")

@@ -209,9 +209,13 @@ class Method(abc.ABC):
         h, w = record.layout.grid
         return MethodOutput(heatmap=heat.reshape(heat.shape[0], h, w))
 
-    @abc.abstractmethod
     def _heat(self, attn: Tensor, record: AttentionRecord) -> Tensor:
-        """``(B, H', N, N)`` chain(s) of one (averaged) layer -> ``(B, h*w)`` heatmap."""
+        """``(B, H', N, N)`` chain(s) of one (averaged) layer -> ``(B, h*w)`` heatmap.
+
+        Per-layer methods implement this; methods that combine layers or build their own
+        chains (rollout, regions, concept attention) override :meth:`__call__` instead.
+        """
+        raise NotImplementedError(f"{type(self).__name__} implements neither _heat nor __call__")
 
     # reading the record -------------------------------------------------------------------
 
@@ -336,9 +340,6 @@ class Rollout(Method):
             v = torch.einsum("bn,bnm->bm", v, hat)
         h, w = layout.grid
         return MethodOutput(heatmap=_grid_part(v, layout).reshape(v.shape[0], h, w))
-
-    def _heat(self, attn: Tensor, record: AttentionRecord) -> Tensor:  # pragma: no cover
-        raise NotImplementedError("rollout combines its layers in __call__")
 
 
 @dataclass
@@ -540,9 +541,6 @@ class RegionGrow(Method):
             keys=self._needs_keys,
         )
         return mine.union(self._score.capture(num_layers), num_layers)
-
-    def _heat(self, attn: Tensor, record: AttentionRecord) -> Tensor:  # pragma: no cover
-        raise NotImplementedError("regions builds its chain in __call__")
 
     # the chain over grid tokens ----------------------------------------------------------
 
