@@ -626,7 +626,7 @@ class RegionGrow(Method):
         cls_img = F.interpolate(cls.unsqueeze(1), size=size, mode="bilinear",
                                 align_corners=False)[:, 0]
         if self.decide == "proposals":  # mean CLS over each proposal's tokens, on the grid
-            prop_score = rg.region_scores(grid_prob.argmax(1), cls, kp)
+            prop_score = rg.region_scores(grid_prob.max(1).indices, cls, kp)
             prop_fg = prop_score > cls.flatten(1).mean(1, keepdim=True)
 
         prob = F.interpolate(grid_prob, size=size, mode="bilinear", align_corners=False)
@@ -636,7 +636,7 @@ class RegionGrow(Method):
                 dilation=int(self.refine_dilation), sigma_space=float(self.sigma_space),
                 sigma_color=float(self.sigma_color), steps=int(self.refine_steps),
             )
-        hard = prob.argmax(1)  # (B, H, W) proposal of every pixel
+        hard = prob.max(1).indices  # (B, H, W) proposal of every pixel (max: faster than argmax)
         if self.connectivity:
             area = int(round(float(self.min_area) * size[0] * size[1]))
             labels = rg.connected_regions(hard, min_area=area)

@@ -387,12 +387,15 @@ def _components_cuda(labels: Tensor) -> Tensor:
 
 
 def _relabel(labels: Tensor) -> Tensor:
-    """Per image, map labels to ``0 .. K_b - 1`` in order of first appearance value."""
-    out = torch.empty_like(labels, dtype=torch.long)
-    for i in range(labels.shape[0]):
-        _, inv = torch.unique(labels[i], return_inverse=True)
-        out[i] = inv
-    return out
+    """Per image, map the label values present to ``0 .. K_b - 1`` (in increasing order)."""
+    lab = labels.long()
+    lab = lab - lab.flatten(1).amin(1).view(-1, *([1] * (lab.dim() - 1)))  # >= 0
+    b = lab.shape[0]
+    span = int(lab.max()) + 1
+    present = torch.zeros(b, span, dtype=torch.long, device=lab.device)
+    present.scatter_(1, lab.flatten(1), 1)
+    new_id = present.cumsum(1) - 1
+    return torch.gather(new_id, 1, lab.flatten(1)).view_as(lab)
 
 
 def _absorb_small(labels: Tensor, min_area: int) -> Tensor:
