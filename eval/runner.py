@@ -59,11 +59,18 @@ from segment.eval.metrics import (
 )
 from segment.masks import MethodOutput, heatmap_at, labels_at, minmax, threshold_mean, to_masks
 from segment.record import AttentionRecord, Capture
-from segment.utils import atomic_path, atomic_write_json, atomic_write_text
+from segment.utils import (  # noqa: F401  (exit codes re-exported for callers)
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    atomic_path,
+    atomic_write_json,
+    atomic_write_text,
+)
 
 log = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 BINARY_COLUMNS = ("pixAcc", "mIoU", "mIoU_CA", "mAP")
 MULTICLASS_COLUMNS = ("ACC", "mIoU")
 

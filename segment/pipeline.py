@@ -67,11 +67,11 @@ from segment.outputs import (
     write_image,
     write_manifest,
 )
-from segment.utils import resolve_device
+from segment.utils import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, resolve_device
 
 log = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_NOTHING_DONE, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_NOTHING_DONE = EXIT_FAILED
 
 
 @dataclass

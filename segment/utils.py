@@ -12,6 +12,12 @@ from typing import Any
 
 import torch
 
+# exit codes of the `segment` and `segment-eval` commands
+EXIT_OK = 0  # something was done
+EXIT_FAILED = 1  # nothing could be processed
+EXIT_BAD_INPUT = 2  # unusable input or configuration
+EXIT_INTERRUPTED = 130  # Ctrl-C (finished work kept)
+
 
 def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
     """``"auto"`` -> CUDA when available, else CPU; otherwise ``torch.device(spec)``.
