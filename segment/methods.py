@@ -641,7 +641,7 @@ class RegionGrow(Method):
             area = int(round(float(self.min_area) * size[0] * size[1]))
             labels = rg.connected_regions(hard, min_area=area)
         else:
-            labels = rg._relabel(hard)
+            labels = rg.relabel(hard)
         k = int(labels.max()) + 1
         cls_img = cls_img.to(labels.device)
         if self.decide == "proposals":

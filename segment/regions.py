@@ -45,6 +45,7 @@ __all__ = [
     "pixel_chain_refine",
     "propagate",
     "region_scores",
+    "relabel",
     "soft_assign",
     "symmetric_kl",
     "tokenrank_seeds",
@@ -154,13 +155,24 @@ def symmetric_kl(p: Tensor, q: Tensor, eps: float = 1e-8) -> Tensor:
     Returns:
         ``(B, S, T)`` symmetric KL divergences (>= 0).
     """
+    return _symkl(_log_terms(p, eps), _log_terms(q, eps))
+
+
+def _log_terms(p: Tensor, eps: float = 1e-8) -> tuple[Tensor, Tensor, Tensor]:
+    """``(p, log p, sum p log p)`` of ``(B, S, n)`` rows, floored at ``eps``, reusable."""
     p = p.float().clamp_min(eps)
-    q = q.float().clamp_min(eps)
-    lp, lq = p.log(), q.log()
-    # KL(p||q) = sum p log p - p log q ; KL(q||p) = sum q log q - q log p
-    pq = (p * lp).sum(-1, keepdim=True) - p @ lq.transpose(1, 2)
-    qp = (q * lq).sum(-1).unsqueeze(1) - (q @ lp.transpose(1, 2)).transpose(1, 2)
-    return (0.5 * (pq + qp)).clamp_min(0)
+    lp = p.log()
+    return p, lp, (p * lp).sum(-1)
+
+
+def _symkl(a: tuple[Tensor, Tensor, Tensor], b: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    """Symmetric KL ``(B, S, T)`` from :func:`_log_terms` of ``(B, S, n)`` and ``(B, T, n)``."""
+    pa, la, ea = a
+    pb, lb, eb = b
+    # KL(a||b) = sum a log a - a log b ; KL(b||a) = sum b log b - b log a
+    ab = ea.unsqueeze(-1) - pa @ lb.transpose(1, 2)
+    ba = eb.unsqueeze(1) - (pb @ la.transpose(1, 2)).transpose(1, 2)
+    return (0.5 * (ab + ba)).clamp_min(0)
 
 
 @dataclass
@@ -202,16 +214,12 @@ def _leaders(dist: Tensor, valid: Tensor, threshold: float) -> Tensor:
     rows = torch.arange(b, device=dist.device)
     lab = torch.arange(s, device=dist.device).expand(b, s).clone()
     free = valid.clone()
-    p = dist.float().clamp_min(1e-8)
-    logp = p.log()
-    ent = (p * logp).sum(-1)  # (B, S): sum p log p
+    terms = _log_terms(dist)  # the logarithms once, reused for every leader's row
     while bool(free.any()):
         has = free.any(1)  # (B,)
         lead = free.to(torch.int8).argmax(1)  # the first free slot of every image
-        pl, lpl = p[rows, lead], logp[rows, lead]  # (B, n)
-        cross_lq = torch.einsum("bn,bsn->bs", pl, logp)  # sum_n p_lead log q_s
-        cross_ql = torch.einsum("bsn,bn->bs", p, lpl)  # sum_n q_s log p_lead
-        kl = (0.5 * ((ent[rows, lead].unsqueeze(1) - cross_lq) + (ent - cross_ql))).clamp_min(0)
+        lead_terms = tuple(t[rows, lead].unsqueeze(1) for t in terms)
+        kl = _symkl(lead_terms, terms)[:, 0]  # (B, S): the leaders' rows only
         take = (kl < threshold) & free & has.unsqueeze(1)
         take[rows, lead] |= has
         lab = torch.where(take, lead.unsqueeze(1), lab)
@@ -253,7 +261,8 @@ def merge_proposals(
             props = Proposals(dist=d, valid=valid).compact()
             d, valid = props.dist, props.valid
             s = d.shape[1]
-        kl = symmetric_kl(d, d)
+        terms = _log_terms(d)
+        kl = _symkl(terms, terms)
         pair = valid.unsqueeze(1) & valid.unsqueeze(2)
         near = (kl < tau) & pair
         w = near.to(d.dtype)
@@ -356,7 +365,7 @@ def connected_regions(labels: Tensor, min_area: int = 0) -> Tensor:
         comp = _components_cpu(labels)
     if min_area > 0:
         comp = _absorb_small(comp, int(min_area))
-    return _relabel(comp)
+    return relabel(comp)
 
 
 def _components_cpu(labels: Tensor) -> Tensor:
@@ -379,14 +388,14 @@ def _components_cuda(labels: Tensor) -> Tensor:
     from kornia.contrib import connected_components_union_find
 
     b, h, w = labels.shape
-    lab = _relabel(labels)
+    lab = relabel(labels)
     k = int(lab.max()) + 1
     onehot = F.one_hot(lab, k).permute(0, 3, 1, 2).reshape(b * k, 1, h, w)
     cc = connected_components_union_find(onehot).view(b, k, h, w).sum(1)  # ids are unique
     return cc
 
 
-def _relabel(labels: Tensor) -> Tensor:
+def relabel(labels: Tensor) -> Tensor:
     """Per image, map the label values present to ``0 .. K_b - 1`` (in increasing order)."""
     lab = labels.long()
     lab = lab - lab.flatten(1).amin(1).view(-1, *([1] * (lab.dim() - 1)))  # >= 0
@@ -406,7 +415,7 @@ def _absorb_small(labels: Tensor, min_area: int) -> Tensor:
     kept region; batched and GPU-friendly. An image whose components are all small keeps
     them.
     """
-    lab = _relabel(labels)
+    lab = relabel(labels)
     b, h, w = lab.shape
     k = int(lab.max()) + 1
     area = torch.zeros(b, k, device=lab.device, dtype=torch.long)
