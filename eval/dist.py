@@ -71,7 +71,6 @@ def init(device: str | torch.device | None = "auto", backend: str | None = None,
         timeout_s: collective timeout (a slow rank waits this long at the final gather).
     """
     world = _env_int("WORLD_SIZE", 1)
-    rank = _env_int("RANK", 0)
     local = _env_int("LOCAL_RANK", 0)
     dev = resolve_device(device)
     if dev.type == "cuda" and world > 1 and dev.index is None:

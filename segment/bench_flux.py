@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from segment.utils import atomic_write_json
+
 MiB = 2**20
 
 
@@ -162,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mode:>8} {k:>6} {row['peak_above_base_mib']:>14.1f} {row['record_mib']:>11.1f}"
                   f" {row['block_matrices_mib']:>14.1f} {row['seconds']:>6.2f}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        atomic_write_json(args.json, rows)
     return 0
 
 

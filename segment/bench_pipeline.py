@@ -21,7 +21,6 @@ The target of issue 3 is ``pipeline >= 0.75 x bare``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -33,6 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 from omegaconf import OmegaConf
+
+from segment.utils import atomic_write_json
 
 _DEFAULT_CKPT = "weights/dinov2_vits14.safetensors"
 
@@ -274,8 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     last = res["pipeline_timings"][-1]
     print("  last pipeline run  : " + ", ".join(f"{k}={v}" for k, v in last.items() if v))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=2) + "\n")
+        atomic_write_json(args.json, res)
     return 0
 
 
