@@ -33,6 +33,7 @@ __all__ = [
     "damp",
     "fuse_heads",
     "head_weights",
+    "inverse_column_sums",
     "lambda2",
     "lambda2_dense",
     "reverse_chain",
@@ -250,6 +251,22 @@ def _teleport(x: Tensor, personalization: Tensor | None) -> Tensor:
     return torch.broadcast_to(e / s, x.shape[:-1])
 
 
+def inverse_column_sums(x: Tensor, alpha: float, e: Tensor | None = None) -> Tensor:
+    """``(..., N)`` ``1 / c`` with ``c`` the column sums of the damped chain
+    ``alpha x + (1 - alpha) 1 e^T`` (``e`` uniform when ``None``): the normaliser of its
+    source (reverse) chain. Raises when a column is zero (only possible for ``alpha = 1``)."""
+    n = x.shape[-1]
+    c = alpha * x.sum(-2)
+    if alpha < 1:
+        c = c + (1 - alpha) * (n * e if e is not None else 1.0)
+    if bool((c <= 0).any()):
+        raise ValueError(
+            f"the source direction needs every token to receive attention, but {int((c <= 0).sum())}"
+            " columns sum to 0; damp the chain (alpha < 1) or drop those tokens"
+        )
+    return 1.0 / c
+
+
 # --------------------------------------------------------------------------------------
 # TokenRank
 # --------------------------------------------------------------------------------------
@@ -279,7 +296,7 @@ def tokenrank(
     max_iter: int = 200,
     personalization: Tensor | None = None,
     *,
-    direction: Literal["incoming", "outgoing"] = "incoming",
+    direction: Literal["incoming", "outgoing", "source"] = "incoming",
     return_info: bool = False,
 ) -> Tensor | TokenRankResult:
     """TokenRank: the stationary distribution ``pi^T T = pi^T`` of the damped chain.
@@ -294,8 +311,11 @@ def tokenrank(
         tol: L1 convergence threshold per batch element.
         max_iter: maximum number of power steps.
         personalization: ``(..., N)`` teleport distribution (default uniform).
-        direction: ``"incoming"`` (sink view: who receives attention in the long run) or
-            ``"outgoing"`` (source view: the same on :func:`reverse_chain`).
+        direction: ``"incoming"`` (sink view: who receives attention in the long run),
+            ``"outgoing"`` (source view: the damped :func:`reverse_chain` of ``A``,
+            ``alpha S + (1 - alpha) 1 e^T``) or ``"source"`` (the reverse of the damped
+            chain, ``reverse_chain(alpha A + (1 - alpha) 1 e^T)``, the reference code's
+            ``tokenrank_src``; computed from ``A`` without forming either matrix).
         return_info: also return iterations, residuals and convergence flags.
 
     Returns:
@@ -307,12 +327,18 @@ def tokenrank(
     x = _chain(attn)
     if direction == "outgoing":
         x = reverse_chain(x)
-    elif direction != "incoming":
-        raise ValueError(f"direction must be 'incoming' or 'outgoing', got {direction!r}")
+    elif direction not in ("incoming", "source"):
+        raise ValueError(
+            f"direction must be 'incoming', 'outgoing' or 'source', got {direction!r}"
+        )
     batch, n = x.shape[:-2], x.shape[-1]
     flat = x.reshape(-1, n, n)
     m = flat.shape[0]
     e = _teleport(x, personalization).reshape(m, n)
+    source = direction == "source"
+    # source: S = rownorm(T^T), T = a A + (1 - a) 1 e^T; pi S = a (pi / c) A^T + (1 - a)
+    # ((pi / c) . e) 1 with c = column sums of T (positive for a < 1)
+    inv_c = inverse_column_sums(flat, a, e) if source else None
 
     pi = torch.full((m, n), 1.0 / n, dtype=x.dtype, device=x.device)
     iters = torch.zeros(m, dtype=torch.long, device=x.device)
@@ -321,7 +347,12 @@ def tokenrank(
     mats, tele = flat, e
     for it in range(1, max_iter + 1):
         cur = pi[active]
-        new = a * torch.bmm(cur.unsqueeze(1), mats).squeeze(1) + (1 - a) * tele
+        if source:
+            u = cur * inv_c[active]
+            new = a * torch.bmm(u.unsqueeze(1), mats.transpose(-1, -2)).squeeze(1)
+            new = new + (1 - a) * (u * tele).sum(-1, keepdim=True)
+        else:
+            new = a * torch.bmm(cur.unsqueeze(1), mats).squeeze(1) + (1 - a) * tele
         new = new / new.sum(-1, keepdim=True)
         change = (new - cur).abs().sum(-1)
         pi[active] = new
@@ -371,11 +402,19 @@ def bounce(
     steps: int = 2,
     *,
     direction: Literal["forward", "source"] = "forward",
+    alpha: float = 1.0,
 ) -> BounceResult:
     """Multi-bounce propagation ``v_{n+1}^T = v_n^T A``, keeping ``v_1 .. v_steps``.
 
     ``steps = 1`` from a token index is row selection (``v_1 = A[i]``); ``steps = 2`` adds
     the indirect paths ``i -> k -> j``; ``steps -> inf`` tends to the stationary vector.
+
+    With ``alpha < 1`` the walk runs on the damped chain ``T = alpha A + (1 - alpha) 11^T / N``
+    (the reference code's ``prep_for_power_method``), applied implicitly:
+    ``v^T T = alpha v^T A + (1 - alpha) (sum v) / N``, so nothing larger than ``attn`` is
+    formed. The source direction walks ``reverse_chain(T)`` the same way:
+    ``v^T S = alpha (v / c)^T A^T + (1 - alpha) sum(v / c) / N`` with ``c`` the column sums
+    of ``T``.
 
     Args:
         attn: ``(..., N, N)`` row-stochastic attention.
@@ -383,8 +422,9 @@ def bounce(
             indices, or a float tensor ``(..., S, N)`` of non-negative start masses (not
             necessarily normalised: propagation is linear), broadcast against the batch.
         steps: number of bounces ``K >= 1``.
-        direction: ``"forward"`` follows attention (rows of ``A``); ``"source"`` walks back
-            along where attention comes from (rows of :func:`reverse_chain`).
+        direction: ``"forward"`` follows attention (rows of ``T``); ``"source"`` walks back
+            along where attention comes from (rows of :func:`reverse_chain` of ``T``).
+        alpha: damping factor in ``(0, 1]``; ``1`` walks ``A`` itself.
 
     Returns:
         :class:`BounceResult` with ``steps`` of shape ``(..., S, K, N)`` (or ``(..., K, N)``
@@ -392,12 +432,23 @@ def bounce(
     """
     if int(steps) < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    x = _chain(attn)
-    if direction == "source":
-        x = reverse_chain(x)
-    elif direction != "forward":
+    a = validate_alpha(alpha)
+    if direction not in ("forward", "source"):
         raise ValueError(f"direction must be 'forward' or 'source', got {direction!r}")
+    x = _chain(attn)
     n = x.shape[-1]
+    inv_c = inverse_column_sums(x, a).unsqueeze(-2) if direction == "source" else None
+
+    def step(v: Tensor) -> Tensor:  # (..., S, N) -> (..., S, N)
+        if inv_c is not None:
+            v = v * inv_c
+            out = torch.matmul(v, x.transpose(-1, -2))
+        else:
+            out = torch.matmul(v, x)  # (..., S, N) @ (..., N, N)
+        if a < 1:
+            out = a * out + (1 - a) / n * v.sum(-1, keepdim=True)
+        return out
+
     single = False
     if isinstance(start, int) or (isinstance(start, Tensor) and not start.is_floating_point()):
         idx = torch.as_tensor(start, device=x.device).long()
@@ -405,8 +456,12 @@ def bounce(
         idx = idx.reshape(-1)
         if bool(((idx < 0) | (idx >= n)).any()):
             raise ValueError(f"start indices must lie in [0, {n}), got {idx.tolist()}")
-        v = x.index_select(-2, idx)  # (..., S, N): the first bounce is row selection
-        out = [v]
+        if inv_c is None and a == 1:
+            v = x.index_select(-2, idx)  # (..., S, N): the first bounce is row selection
+        else:
+            one_hot = torch.zeros(idx.numel(), n, dtype=x.dtype, device=x.device)
+            one_hot[torch.arange(idx.numel(), device=x.device), idx] = 1.0
+            v = step(one_hot)
     else:
         v0 = _as_compute(start).to(device=x.device, dtype=x.dtype)
         if v0.dim() == 1:
@@ -415,10 +470,10 @@ def bounce(
             raise ValueError(f"start must have shape (..., S, {n}), got {tuple(start.shape)}")
         if not bool(torch.isfinite(v0).all()) or bool((v0 < 0).any()):
             raise ValueError("start distributions must be finite and non-negative")
-        v = torch.matmul(v0, x)
-        out = [v]
+        v = step(v0)
+    out = [v]
     for _ in range(int(steps) - 1):
-        v = torch.matmul(v, x)  # (..., S, N) @ (..., N, N)
+        v = step(v)
         out.append(v)
     res = torch.stack(out, dim=-2)  # (..., S, K, N)
     if single:
