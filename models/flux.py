@@ -4,7 +4,9 @@ A real image becomes one forward pass of the flow-matching transformer (protocol
 
 1. ``preprocess``: Pillow resize to ``image_size`` (bicubic), scale to ``[-1, 1]``;
 2. ``extract``: nearest resize to ``vae_size`` (the protocol's 512 -> 1024), VAE encode
-   (``latent_dist.mode()``, then FLUX's ``(z - shift) * scale``), pack the latents 2 x 2 into
+   (``latent_dist.mode()``, the posterior mean: the deterministic choice, where
+   ConceptAttention's code draws one posterior sample; then FLUX's ``(z - shift) * scale``;
+   the experiments run the VAE in float32, ``vae_dtype``), pack the latents 2 x 2 into
    tokens, noise them to ``t`` with the flow-matching rule ``x_t = t * eps + (1 - t) * z``,
    encode the prompt (``"a {class}"``: T5 tokens for the joint attention, the pooled CLIP
    vector for the modulation), and run the transformer once, stopping after the last block
@@ -32,7 +34,9 @@ separate residual stream through the double-stream blocks that attends to
 streams. For every captured double-stream layer the record gets the dot products of the
 concept and image attention-output vectors (before the output projections),
 ``extras["concept_scores"]``: ``(B, R, C, P)`` with ``R`` = seeds x layers, ``C`` concepts
-(concept 0 is the class), ``P = h * w`` image tokens.
+(concept 0 is the class), ``P = h * w`` image tokens, and the same scores with the concept
+vectors normalised per output dimension, ``extras["concept_scores_normalized"]``
+(:func:`segment.concept.normalize_concepts`, ConceptAttention's ``--normalize_concepts``).
 
 Loading: from the Hugging Face hub (``repo_id``) or a local diffusers folder
 (``path=DIR`` with ``transformer/ vae/ text_encoder/ text_encoder_2/ tokenizer/
@@ -55,6 +59,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
+from segment.concept import normalize_concepts
 from segment.models.base import Backbone
 from segment.record import AttentionRecord, Capture, TokenLayout
 from segment.reduce import AttentionReducer
@@ -252,11 +257,14 @@ class ForwardCapture:
     Attributes:
         output: ``(B, P, C_out)`` model prediction, ``None`` when the forward stopped early.
         concept_scores: layer -> ``(B, C, P)`` concept-image output dot products.
+        concept_scores_normalized: the same with the concept vectors normalised per output
+            dimension (:func:`segment.concept.normalize_concepts`).
         blocks_run: blocks that ran (the forward stops after the last needed one).
     """
 
     output: Tensor | None
     concept_scores: dict[int, Tensor] = field(default_factory=dict)
+    concept_scores_normalized: dict[int, Tensor] = field(default_factory=dict)
     blocks_run: int = 0
 
 
@@ -327,6 +335,7 @@ class _ConceptStream:
         self.norm: Tensor | None = None
         self.attn_out: Tensor | None = None  # (B, C, H * D) fp32, before to_add_out
         self.scores: dict[int, Tensor] = {}
+        self.scores_normalized: dict[int, Tensor] = {}
 
     def start(self, transformer: Any, temb_args: tuple[Any, ...]) -> None:
         """Concept temb (timestep [+ guidance] with a zero pooled vector) and the embedded
@@ -429,7 +438,9 @@ class CaptureProcessor:
                         img = img.transpose(1, 2).flatten(2)
                     else:
                         img = _attend(q[:, text_len:], k, v)  # (B, P, H*D)
-                    concept.scores[layer] = torch.matmul(c_out, img.transpose(1, 2))  # (B, C, P)
+                    img_t = img.transpose(1, 2)
+                    concept.scores[layer] = torch.matmul(c_out, img_t)  # (B, C, P)
+                    concept.scores_normalized[layer] = torch.matmul(normalize_concepts(c_out), img_t)
             del probs
         return out
 
@@ -533,6 +544,7 @@ def capture_forward(
     return ForwardCapture(
         output=output,
         concept_scores=dict(concept.scores) if concept else {},
+        concept_scores_normalized=dict(concept.scores_normalized) if concept else {},
         blocks_run=ran[0],
     )
 
@@ -773,7 +785,10 @@ class FluxBackbone(Backbone):
 
     @torch.no_grad()
     def encode_images(self, pixels: Tensor) -> Tensor:
-        """``(B, 3, H, W)`` pixels in ``[-1, 1]`` -> ``(B, 16, 2h, 2w)`` scaled VAE latents."""
+        """``(B, 3, H, W)`` pixels in ``[-1, 1]`` -> ``(B, 16, 2h, 2w)`` scaled VAE latents.
+
+        The latent is ``latent_dist.mode()``, the posterior mean: deterministic, so a run
+        depends only on the noise seeds (ConceptAttention's code samples the posterior)."""
         if pixels.dim() != 4 or pixels.shape[1] != 3:
             raise ValueError(f"pixels must be (B, 3, H, W), got {tuple(pixels.shape)}")
         x = pixels.to(self.device, torch.float32)
@@ -900,9 +915,9 @@ class FluxBackbone(Backbone):
         Returns:
             The :class:`AttentionRecord`: ``attn`` over ``N = T + h*w`` tokens (text first),
             ``query`` = the class word's T5 tokens per image, ``extras``: ``query_mask``
-            ``(B, T)``; with concepts, ``concept_scores`` ``(B, R, C, P)`` (R = seeds x
-            captured double-stream layers, concept 0 = the class) and ``concept_layers``
-            ``(R,)`` the layer of each.
+            ``(B, T)``; with concepts, ``concept_scores`` and ``concept_scores_normalized``
+            ``(B, R, C, P)`` (R = seeds x captured double-stream layers, concept 0 = the
+            class) and ``concept_layers`` ``(R,)`` the layer of each.
         """
         if pixels.dim() != 4 or pixels.shape[1] != 3:
             raise ValueError(f"pixels must be (B, 3, H, W), got {tuple(pixels.shape)}")
@@ -925,6 +940,7 @@ class FluxBackbone(Backbone):
         t = self.noise_level(grid)
         total: AttentionRecord | None = None
         scores: list[Tensor] = []
+        scores_norm: list[Tensor] = []
         with self._on_device(self.transformer):
             for seed in self.seeds:
                 eps = self._noise(seed, tuple(z.shape[1:]), b)
@@ -936,6 +952,7 @@ class FluxBackbone(Backbone):
                 rec = reducer.record((pixels.shape[-2], pixels.shape[-1]))
                 total = rec if total is None else _add_records(total, rec)
                 scores.extend(res.concept_scores[i] for i in score_layers)
+                scores_norm.extend(res.concept_scores_normalized[i] for i in score_layers)
         assert total is not None
         if len(self.seeds) > 1:
             total = _scale_record(total, 1.0 / len(self.seeds))
@@ -943,6 +960,7 @@ class FluxBackbone(Backbone):
         total.extras["query_mask"] = text.query_mask.to(self.device)
         if scores:
             total.extras["concept_scores"] = torch.stack(scores, dim=1).float()  # (B, R, C, P)
+            total.extras["concept_scores_normalized"] = torch.stack(scores_norm, dim=1).float()
             total.extras["concept_layers"] = torch.tensor(
                 score_layers * len(self.seeds), dtype=torch.long, device=self.device
             )  # (R,) the layer of each score map
@@ -993,10 +1011,12 @@ def load_components(
     source: str,
     *,
     dtype: torch.dtype,
+    vae_dtype: torch.dtype | None = None,
     revision: str | None = None,
     local_files_only: bool = False,
 ) -> FluxComponents:
-    """Load the six FLUX components with their ``from_pretrained`` (hub id or local folder)."""
+    """Load the six FLUX components with their ``from_pretrained`` (hub id or local folder);
+    the VAE in ``vae_dtype`` (``None`` = ``dtype``), read straight from the stored weights."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
@@ -1004,7 +1024,8 @@ def load_components(
     return FluxComponents(
         transformer=FluxTransformer2DModel.from_pretrained(
             source, subfolder="transformer", torch_dtype=dtype, **common),
-        vae=AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=dtype, **common),
+        vae=AutoencoderKL.from_pretrained(
+            source, subfolder="vae", torch_dtype=vae_dtype or dtype, **common),
         text_encoder=CLIPTextModel.from_pretrained(
             source, subfolder="text_encoder", dtype=dtype, **common),
         text_encoder_2=T5EncoderModel.from_pretrained(
@@ -1040,6 +1061,7 @@ def flux_pretrained(
             message says how to pass a local folder.
     """
     dt = _dtype(dtype, "model.dtype")
+    vae_dt = _dtype(kwargs["vae_dtype"], "model.vae_dtype") if kwargs.get("vae_dtype") else None
     if path:
         root = Path(path).expanduser()
         missing = [s for s in _SUBFOLDERS if not (root / s).is_dir()]
@@ -1051,7 +1073,7 @@ def flux_pretrained(
                 f" as written by FluxPipeline.save_pretrained or `huggingface-cli download {repo_id}`"
             )
         try:
-            comps = load_components(str(root), dtype=dt, local_files_only=True)
+            comps = load_components(str(root), dtype=dt, vae_dtype=vae_dt, local_files_only=True)
         except Exception as e:  # noqa: BLE001 - any loader error is a bad folder for the user
             raise RuntimeError(
                 f"model.path={root}: could not load the FLUX components"
@@ -1059,7 +1081,7 @@ def flux_pretrained(
             ) from e
     else:
         try:
-            comps = load_components(repo_id, dtype=dt, revision=revision,
+            comps = load_components(repo_id, dtype=dt, vae_dtype=vae_dt, revision=revision,
                                     local_files_only=local_files_only)
         except Exception as e:  # noqa: BLE001 - hub / network / cache / licence errors vary
             raise RuntimeError(
