@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from segment.concept import ConceptAttention, concept_heatmaps
+from segment.concept import ConceptAttention, concept_heatmaps, gaussian_blur, normalize_concepts
 from segment.models.flux import (
     FluxInputs,
     attention_probs,
@@ -294,6 +294,11 @@ def test_concept_stream_equals_text_stream_on_same_tokens(comps):
         want = pre[("c", i)] @ pre[("x", i)].transpose(1, 2)  # (B, C, P)
         assert res.concept_scores[i].shape == (2, 5, 12)
         assert torch.allclose(res.concept_scores[i], want, atol=1e-4, rtol=1e-4), i
+        # --normalize_concepts: per output dimension, min-shift and divide by the concept sum
+        c = pre[("c", i)].double()
+        c = (c - c.min(1, keepdim=True).values) / (c - c.min(1, keepdim=True).values).sum(1, keepdim=True)
+        want_n = (c @ pre[("x", i)].double().transpose(1, 2)).float()
+        assert torch.allclose(res.concept_scores_normalized[i], want_n, atol=1e-4, rtol=1e-4), i
 
 
 # --------------------------------------------------------------------------------------
@@ -470,6 +475,69 @@ def test_concept_attention_method_reads_its_layers():
         m(rec)
 
 
+def test_normalize_concepts_by_hand():
+    v = torch.tensor([[[1.0, -2.0, 5.0], [3.0, 0.0, 5.0], [2.0, 2.0, 5.0]]])  # (1, C=3, D=3)
+    # d=0: shifted (0, 2, 1) / 3; d=1: (0, 2, 4) / 6; d=2: all equal -> zeros
+    want = torch.tensor([[[0.0, 0.0, 0.0], [2 / 3, 1 / 3, 0.0], [1 / 3, 2 / 3, 0.0]]])
+    assert torch.allclose(normalize_concepts(v), want)
+    with pytest.raises(ValueError, match="C, D"):
+        normalize_concepts(torch.ones(3))
+
+
+def test_gaussian_blur_by_hand_and_against_torchvision():
+    from torchvision.transforms.functional import gaussian_blur as tv_blur
+
+    x = torch.zeros(1, 5, 6, dtype=torch.float64)
+    x[0, 2, 2] = 1.0  # an impulse away from the border spreads as the kernel g g^T
+    g = torch.tensor([math.exp(-0.5), 1.0, math.exp(-0.5)], dtype=torch.float64)
+    g = g / g.sum()  # (0.2741, 0.4519, 0.2741)
+    out = gaussian_blur(x, 3, 1.0)
+    assert torch.allclose(out[0, 1:4, 1:4], g[:, None] * g[None, :], atol=1e-15)
+    assert float(out[0, 0].abs().sum()) == 0.0 and float(out.sum()) == pytest.approx(1.0)
+    # reflect padding mirrors without repeating the border: an impulse next to the top border
+    # comes back from the padded row -1 (weight 2 g0 at row 0), one on the border does not
+    y = torch.zeros(1, 5, 6, dtype=torch.float64)
+    y[0, 1, 2] = 1.0
+    assert float(gaussian_blur(y, 3, 1.0)[0, 0, 2]) == pytest.approx(float(2 * g[0] * g[1]))
+    y = torch.zeros(1, 5, 6, dtype=torch.float64)
+    y[0, 0, 2] = 1.0
+    assert float(gaussian_blur(y, 3, 1.0)[0, 0, 2]) == pytest.approx(float(g[1] ** 2))
+    r = torch.rand(2, 3, 8, 8)
+    assert torch.allclose(gaussian_blur(r, 3, 1.0), tv_blur(r, kernel_size=3, sigma=1.0), atol=1e-6)
+    assert torch.allclose(gaussian_blur(r, 5, 2.0), tv_blur(r, kernel_size=5, sigma=2.0), atol=1e-6)
+    for bad in ((2, 1.0), (3, 0.0), (1, 1.0)):
+        with pytest.raises(ValueError, match="odd kernel"):
+            gaussian_blur(r, *bad)
+
+
+def test_concept_attention_options_on_hand_built_scores():
+    layout = TokenLayout(num_tokens=2 + 9, prefix=2, grid=(3, 3), cls_index=None, kind="dit")
+    g = torch.Generator().manual_seed(1)
+    raw = torch.randn(1, 2, 2, 9, generator=g)
+    norm = torch.rand(1, 2, 2, 9, generator=g)
+    rec = AttentionRecord(
+        attn={0: torch.full((1, 1, 11, 11), 1 / 11)}, layout=layout, image_size=(24, 24),
+        extras={"concept_scores": raw, "concept_scores_normalized": norm,
+                "concept_layers": torch.tensor([0, 0])}, num_layers=2,
+    )
+    plain = ConceptAttention(layers=[0], softmax=False)(rec).heatmap
+    assert torch.allclose(plain, raw[:, :, 0].mean(1).reshape(1, 3, 3))
+    n = ConceptAttention(layers=[0], softmax=True, normalize_concepts=True)(rec).heatmap
+    assert torch.allclose(n, torch.softmax(norm, dim=-2)[:, :, 0].mean(1).reshape(1, 3, 3))
+    blurred = ConceptAttention(layers=[0], softmax=False, blur=[3, 1.0])(rec).heatmap
+    # the centre cell of a 3x3 map: the 3x3 kernel over the whole (unpadded) map
+    k = torch.tensor([math.exp(-0.5), 1.0, math.exp(-0.5)])
+    k = k / k.sum()
+    assert float(blurred[0, 1, 1]) == pytest.approx(float((k[:, None] * k[None, :] * plain[0]).sum()), abs=1e-6)
+    assert not torch.allclose(blurred, plain)
+    for bad in ([3], [4, 1.0], [3, -1.0], "3"):
+        with pytest.raises(ValueError, match="blur"):
+            ConceptAttention(blur=bad)
+    del rec.extras["concept_scores_normalized"]
+    with pytest.raises(ValueError, match="no concept scores"):
+        ConceptAttention(layers=[0], normalize_concepts=True)(rec)
+
+
 def test_concept_attention_on_tiny_backbone(backbone):
     px = backbone.collate([_rgb(64, 64, 3)])
     m = ConceptAttention(layers=[0, 1])
@@ -542,21 +610,30 @@ def test_segment_eval_flux_experiment_end_to_end(tmp_path, monkeypatch):
 
     monkeypatch.setattr(FluxBackbone, "extract", spy)
     out = tmp_path / "eval"
-    tiny_layers = [f"{k}.layers=[0,1]" for k in (
-        "method", "methods.concept_attention", "methods.tokenrank", "methods.cross_attention")]
+    tiny_blocks = ["blocks.concept=[0,1]", "blocks.late_double=[0,1]", "blocks.late_single=[2,3]"]
     cfg = _compose("eval", ["experiment=flux_imagenet_seg", "model=flux_tiny", f"dataset.root={mat}",
-                            "device=cpu", "progress=false", f"output={out}", "model.seeds=[0,1]",
-                            "batch_size=2", "panels=1", *tiny_layers])
+                            "device=cpu", "progress=false", f"output={out}", "model.seeds=[0]",
+                            "batch_size=2", "panels=1", *tiny_blocks])
     assert run_eval(cfg) == 0
     rows = json.loads((out / "results.json").read_text())
-    assert [r["method"] for r in rows] == ["flux_bounce2", "concept_attention", "tokenrank",
-                                           "cross_attention"]
+    chains = [f"{c}_{d}_{n}" for c in ("joint", "grid") for d in ("fwd", "src") for n in (1, 2, 3)]
+    chains.remove("joint_fwd_2")  # the paper's row, flux_bounce2
+    blocks = [f"joint_{d}_2_{b}" for d in ("fwd", "src") for b in ("double_9_18", "single_28_37")]
+    want = ["flux_bounce2", *sorted(chains), *blocks, "tokenrank_joint_fwd", "tokenrank_joint_src",
+            "tokenrank_grid_fwd", "concept_attention", "cross_attention"]
+    assert sorted(r["method"] for r in rows) == sorted(want) and rows[0]["method"] == "flux_bounce2"
     for r in rows:
         assert r["images"] == 3
         assert all(0.0 <= r[k] <= 100.0 for k in r if k not in ("method", "images"))
-    # class names are the prompts; one union capture: heads fused, blocks averaged on the fly
+    by = {r["method"]: r for r in rows}
+    # by construction: one joint bounce is an affine image of one grid bounce (same masks, AP)
+    for k in ("pixAcc", "mIoU", "mAP"):
+        for d in ("fwd", "src"):
+            assert by[f"joint_{d}_1"][k] == pytest.approx(by[f"grid_{d}_1"][k], abs=1e-6)
+    # class names are the prompts; one union capture: heads fused on the fly, blocks kept
+    # apart (the rows average different blocks)
     assert [p for batch, _ in seen for p in batch][0] == "dog" and len(seen) == 2
-    assert seen[0][1] == Capture(layers=(0, 1), heads="mean", average_layers=True)
+    assert seen[0][1] == Capture(layers=(0, 1, 2, 3), heads="mean", average_layers=False)
 
 
 def test_pooled_prompt_zeros_reaches_the_transformer():
@@ -570,3 +647,147 @@ def test_pooled_prompt_zeros_reaches_the_transformer():
     assert torch.equal(seen["pooled_projections"], torch.zeros(1, 32))
     with pytest.raises(ValueError, match="pooled_prompt"):
         flux_tiny(image_size=32, vae_size=64, device="cpu", pooled_prompt="mean")
+
+
+# --------------------------------------------------------------------------------------
+# the joint chain (bounce / tokenrank chain=joint) on captured FLUX attention
+# --------------------------------------------------------------------------------------
+
+
+class _Sizes:
+    """Records the largest tensor any torch op produces inside the block."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        sizes = self.sizes = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                    if isinstance(t, torch.Tensor):
+                        sizes.append(t.numel())
+                return out
+
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def _dense_joint(a: torch.Tensor, alpha: float, source: bool) -> torch.Tensor:
+    """float64 ``T = alpha A + (1 - alpha) 11^T / N`` (source: its column-normalised transpose)."""
+    n = a.shape[-1]
+    t = alpha * a.double() + (1 - alpha) / n
+    if source:
+        t = (t / t.sum(-2, keepdim=True)).transpose(-1, -2)
+    return t
+
+
+@pytest.mark.parametrize("direction", ["forward", "source"])
+def test_joint_chain_on_captured_flux_attention_equals_float64(backbone, direction):
+    from segment.methods import Bounce, TokenRank
+
+    px = backbone.collate([_rgb(64, 64, 5), _rgb(64, 64, 6)])
+    src = direction == "source"
+    # heads fused and blocks 1-2 averaged while capturing: one (B, 1, N, N) matrix
+    cap = Capture(layers=(1, 2), heads="mean", average_layers=True)
+    rec = backbone.extract(px, cap, prompts=["dog", "coffee cup"])
+    a = rec.attn[1]  # (2, 1, N, N), N = 16 text + 64 image tokens
+    assert a.shape == (2, 1, T + 64, T + 64)
+    # every head kept: the per-head walks are averaged (fuse=output)
+    keep = backbone.extract(px, Capture(layers=(1,), heads="keep"), prompts=["dog", "coffee cup"])
+    assert keep.attn[1].shape[1] == 2
+    for i, q in enumerate(rec.query):
+        assert len(q) >= 1 and max(q) < T  # the class word's T5 tokens
+    alpha = 0.9
+    for steps in (1, 2, 3):
+        m = Bounce(layers=[1, 2], steps=steps, fuse="attention", average_layers=True,
+                   chain="joint", direction=direction, alpha=alpha)
+        with _Sizes() as sz:
+            got = m(rec).heatmap.reshape(2, 64)
+        assert max(sz.sizes) <= a.numel()  # nothing larger than the captured attention
+        mo = Bounce(layers=[1], steps=steps, fuse="output", chain="joint", direction=direction,
+                    alpha=alpha)
+        got_heads = mo(keep).heatmap.reshape(2, 64)
+        for b, q in enumerate(rec.query):
+            s = torch.zeros(T + 64, dtype=torch.float64)
+            s[list(q)] = 1.0 / len(q)
+            t = _dense_joint(a[b, 0], alpha, src)
+            want = (s @ torch.linalg.matrix_power(t, steps))[T:]
+            torch.testing.assert_close(got[b].double(), want, rtol=1e-5, atol=1e-7)
+            per_head = [(s @ torch.linalg.matrix_power(_dense_joint(h, alpha, src), steps))[T:]
+                        for h in keep.attn[1][b]]
+            torch.testing.assert_close(got_heads[b].double(), torch.stack(per_head).mean(0),
+                                       rtol=1e-5, atol=1e-7)
+    # the grid chain drops the text after the first step: a different map from 2 bounces on
+    g = Bounce(layers=[1, 2], steps=2, fuse="attention", average_layers=True,
+               direction=direction)(rec).heatmap
+    j = Bounce(layers=[1, 2], steps=2, fuse="attention", average_layers=True, chain="joint",
+               direction=direction)(rec).heatmap
+    assert not torch.allclose(g / g.sum((1, 2), keepdim=True), j / j.sum((1, 2), keepdim=True),
+                              atol=1e-4)
+    # TokenRank of the joint chain: the stationary vector of T, read on the image tokens
+    tr = TokenRank(layers=[1, 2], fuse="attention", average_layers=True, chain="joint",
+                   direction=direction, alpha=alpha, tol=1e-12, max_iter=2000)
+    with _Sizes() as sz:
+        pi = tr(rec).heatmap.reshape(2, 64)
+    assert max(sz.sizes) <= a.numel()
+    for b in range(2):
+        t = _dense_joint(a[b, 0], alpha, src)
+        w, v = torch.linalg.eig(t.T)
+        ref = v[:, torch.argmin((w - 1).abs())].real
+        ref = ref / ref.sum()
+        torch.testing.assert_close(pi[b].double(), ref[T:], rtol=1e-5, atol=1e-8)
+
+
+def test_reproduce_flux_script_end_to_end(tmp_path):
+    """`bash eval/reproduce_flux.sh DATA` with the tiny model: every FLUX table and the
+    manifest (device, versions, seeds) land in --out; the working folders stay in --work."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+    from test_datasets import write_gtsegs
+
+    rng = np.random.default_rng(1)
+    images = [rng.integers(0, 256, (40, 48, 3), dtype=np.uint8) for _ in range(2)]
+    masks = [rng.random((40, 48)) > 0.5 for _ in range(2)]
+    mat = tmp_path / "gtsegs_ijcv.mat"
+    write_gtsegs(mat, images, masks, ["n02084071", "n01443537"])
+    script = Path(__file__).resolve().parents[1] / "eval" / "reproduce_flux.sh"
+    out, work = tmp_path / "tables", tmp_path / "work"
+    tiny = ["model=flux_tiny", "model.seeds=[4]", "++blocks.concept=[0,1]",
+            "++blocks.late_double=[0,1]", "++blocks.late_single=[2,3]", "batch_size=2", "panels=0"]
+    proc = subprocess.run(
+        ["bash", str(script), str(mat), "--out", str(out), "--work", str(work), "--device", "cpu",
+         *tiny],
+        cwd=tmp_path, capture_output=True, text=True, env={**__import__("os").environ,
+                                                            "PYTHON": sys.executable},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    man = json.loads((out / "manifest.json").read_text())
+    assert set(man["tables"]) == {"flux_imagenet_seg", "flux_concept_attention",
+                                  "flux_concept_attention_defaults"}
+    assert man["device"]["requested"] == "cpu" and man["versions"]["torch"] == torch.__version__
+    assert man["versions"]["diffusers"] and man["command"].endswith(" ".join(tiny))
+    for exp, t in man["tables"].items():
+        assert t["seeds"] == [4] and t["images"] == 2 and t["model"] == "flux_tiny"
+        for f in t["files"]:
+            assert (out / f).is_file(), f
+        rows = json.loads((out / exp / "results.json").read_text())
+        assert [r["method"] for r in rows] == t["rows"] and all(r["images"] == 2 for r in rows)
+    assert man["tables"]["flux_imagenet_seg"]["rows"][0] == "flux_bounce2"
+    assert man["tables"]["flux_concept_attention"]["rows"] == ["concept_attention",
+                                                               "concept_attention_unnormalized"]
+    assert [man["tables"][e]["timestep_index"] for e in sorted(man["tables"])] == [2, 3, 2]
+    assert not (out / "flux_imagenet_seg" / "cache").exists()  # caches stay in --work
+    # a missing data file: a one-line error, exit code 2
+    bad = subprocess.run(["bash", str(script), str(tmp_path / "nope.mat")], capture_output=True,
+                         text=True, env={**__import__("os").environ, "PYTHON": sys.executable})
+    assert bad.returncode == 2 and "no such file" in bad.stderr

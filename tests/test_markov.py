@@ -341,3 +341,64 @@ def test_lambda2_on_real_dinov2_heads_at_448(dinov2_weights):
     ref = markov.lambda2_dense(chains)
     assert (fast.value - ref).abs().max() < 1e-4
     assert float(ref.min()) < 0.9 and float(ref.max()) > 0.95  # a spread of spectra was tested
+
+
+# --------------------------------------------------------------------------------------
+# the damped walk and the source direction of the damped chain (joint chain of bounce and
+# tokenrank): dense float64 matrices built by hand
+# --------------------------------------------------------------------------------------
+
+
+def _damped_dense(a: torch.Tensor, alpha: float, source: bool) -> torch.Tensor:
+    n = a.shape[-1]
+    t = alpha * a + (1 - alpha) / n  # every row of T gets (1 - alpha) / N
+    if source:  # rows of the column-normalised transpose
+        t = (t / t.sum(-2, keepdim=True)).transpose(-1, -2)
+    return t
+
+
+@pytest.mark.parametrize("source", [False, True])
+@pytest.mark.parametrize("alpha", [1.0, 0.9])
+def test_damped_bounce_matches_dense_matrix_powers(alpha, source):
+    a = clustered_attention(2, 30, seed=4)
+    direction = "source" if source else "forward"
+    t = _damped_dense(a, alpha, source)
+    res = markov.bounce(a, 3, steps=3, direction=direction, alpha=alpha)
+    for k in range(1, 4):
+        want = torch.linalg.matrix_power(t, k)[:, 3]
+        torch.testing.assert_close(res.steps[:, k - 1], want, rtol=0, atol=1e-12)
+    v0 = torch.rand(2, 2, 30, dtype=torch.float64)
+    got = markov.bounce(a, v0, steps=2, direction=direction, alpha=alpha).last
+    torch.testing.assert_close(got, v0 @ t @ t, rtol=0, atol=1e-12)
+    # linear in the start mass, and damping really changes the walk
+    torch.testing.assert_close(markov.bounce(a, 3 * v0, 2, direction=direction, alpha=alpha).last,
+                               3 * got, rtol=0, atol=1e-12)
+    if alpha < 1:
+        plain = markov.bounce(a, v0, steps=2, direction=direction).last
+        assert (plain - got).abs().max() > 1e-4
+
+
+def test_tokenrank_source_is_the_reverse_of_the_damped_chain():
+    a = clustered_attention(2, 40, seed=5)
+    pi = markov.tokenrank(a, alpha=0.9, tol=1e-14, max_iter=5000, direction="source")
+    s = _damped_dense(a, 0.9, True)
+    for b in range(2):
+        np.testing.assert_allclose(pi[b].numpy(), stationary_reference(s[b].numpy(), 1.0), atol=1e-10)
+    # not the damped reverse chain ("outgoing")
+    out = markov.tokenrank(a, alpha=0.9, tol=1e-14, max_iter=5000, direction="outgoing")
+    assert (out - pi).abs().max() > 1e-4
+    e = torch.rand(2, 40, dtype=torch.float64)
+    pers = markov.tokenrank(a, alpha=0.8, tol=1e-14, max_iter=5000, personalization=e,
+                            direction="source")
+    t = 0.8 * a + 0.2 * (e / e.sum(-1, keepdim=True)).unsqueeze(-2)
+    s = (t / t.sum(-2, keepdim=True)).transpose(-1, -2)
+    for b in range(2):
+        np.testing.assert_allclose(pers[b].numpy(), stationary_reference(s[b].numpy(), 1.0), atol=1e-10)
+
+
+def test_source_direction_refuses_tokens_nobody_attends_to():
+    a = torch.tensor([[0.5, 0.5, 0.0], [0.5, 0.5, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    with pytest.raises(ValueError, match="columns sum to 0"):
+        markov.bounce(a, 0, 2, direction="source")
+    ok = markov.bounce(a, 0, 2, direction="source", alpha=0.9).last  # damping fixes it
+    assert torch.isfinite(ok).all() and abs(float(ok.sum()) - 1) < 1e-12

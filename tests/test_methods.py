@@ -355,3 +355,90 @@ def test_all_methods_on_one_union_record_of_a_tiny_vit():
         a, b = m(shared).heatmap, m(own).heatmap
         assert a.shape == (2, 16, 22) and bool(torch.isfinite(a).all()) and bool((a >= 0).all())
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), m
+
+
+# --------------------------------------------------------------------------------------
+# chain (grid | joint) and direction (forward | source) of bounce and tokenrank
+# --------------------------------------------------------------------------------------
+
+
+def _np_damped(a: np.ndarray, alpha: float, source: bool) -> np.ndarray:
+    t = alpha * a + (1 - alpha) / a.shape[-1]
+    if source:
+        t = np.swapaxes(t / t.sum(-2, keepdims=True), -1, -2)
+    return t
+
+
+@pytest.mark.parametrize("direction", ["forward", "source"])
+@pytest.mark.parametrize("fuse", ["output", "attention"])
+def test_joint_bounce_walks_every_token_by_hand(direction, fuse):
+    a = stochastic(2, 3, 7, 7, seed=6)
+    src = direction == "source"
+    for steps in (1, 2, 3):
+        m = Bounce(steps=steps, fuse=fuse, chain="joint", direction=direction, alpha=0.8)
+        out = m(record({0: a}, VIT)).heatmap.reshape(2, 6).numpy()
+        for b in range(2):
+            x = a[b].numpy()
+            heads = [x.mean(0)] if fuse == "attention" else list(x)
+            want = np.mean([np.linalg.matrix_power(_np_damped(h, 0.8, src), steps)[0, 1:]
+                            for h in heads], 0)  # from CLS, grid slice, not renormalised
+            assert np.allclose(out[b], want, atol=1e-13), (steps, b)
+
+
+@pytest.mark.parametrize("fuse", ["output", "chain"])
+def test_grid_source_bounce_by_hand(fuse):
+    a = stochastic(2, 3, 7, 7, seed=7)
+    out = Bounce(steps=3, fuse=fuse, direction="source")(record({0: a}, VIT)).heatmap
+    for b in range(2):
+        x = a[b].numpy()
+        v1 = x[:, 1:, 0] / x[:, 1:, 0].sum(-1, keepdims=True)  # the CLS column over patches
+        p = np_patch_chain(x, G)
+        if fuse == "chain":
+            v1, p = v1.mean(0, keepdims=True), p.mean(0, keepdims=True)
+        s = np.swapaxes(p / p.sum(-2, keepdims=True), -1, -2)  # reverse of each patch chain
+        want = np.einsum("hn,hnm->hm", v1, s @ s).mean(0)
+        assert np.allclose(out[b].numpy().ravel(), want, atol=1e-13)
+
+
+@pytest.mark.parametrize("chain", ["grid", "joint"])
+def test_tokenrank_chain_and_direction_by_hand(chain):
+    a = stochastic(2, 3, 7, 7, seed=8)
+    for direction in ("forward", "source"):
+        m = TokenRank(fuse="attention", chain=chain, direction=direction, alpha=0.9,
+                      tol=1e-14, max_iter=5000)
+        out = m(record({0: a}, VIT)).heatmap.reshape(2, 6).numpy()
+        for b in range(2):
+            x = a[b].numpy().mean(0)
+            base = np_patch_chain(x, G) if chain == "grid" else x
+            t = _np_damped(base, 0.9, direction == "source")
+            w, v = np.linalg.eig(t.T)
+            pi = np.real(v[:, np.argmin(np.abs(w - 1))])
+            pi = pi / pi.sum()
+            want = pi if chain == "grid" else pi[1:]
+            assert np.allclose(out[b], want, atol=1e-10), (direction, b)
+
+
+def test_chain_knobs_change_the_heatmap_or_are_refused():
+    a = stochastic(1, 3, 7, 7, seed=9)
+    rec = record({0: a}, VIT)
+
+    def heat(**kw):
+        return Bounce(**kw)(rec).heatmap
+
+    base = heat()
+    for kw in (dict(chain="joint"), dict(direction="source"), dict(chain="joint", alpha=0.5)):
+        assert (heat(**kw) - base).abs().max() > 1e-6, kw
+    assert (heat(chain="joint", alpha=0.5) - heat(chain="joint")).abs().max() > 1e-6
+    tr = TokenRank()(rec).heatmap
+    for kw in (dict(chain="joint", fuse="attention"), dict(direction="source")):
+        assert (TokenRank(**kw)(rec).heatmap - tr).abs().max() > 1e-6, kw
+    with pytest.raises(ValueError, match="joint chain only"):
+        Bounce(alpha=0.9)
+    with pytest.raises(ValueError, match="fuse=chain"):
+        Bounce(chain="joint", fuse="chain")
+    with pytest.raises(ValueError, match="chain must be one of"):
+        TokenRank(chain="full")
+    with pytest.raises(ValueError, match="was: incoming"):
+        TokenRank(direction="incoming")
+    with pytest.raises(ValueError, match="source was: outgoing"):
+        Bounce(direction="outgoing")
