@@ -303,7 +303,7 @@ def tokenrank(
 
     Batched power iteration from the uniform vector, ``pi <- alpha * pi A + (1 - alpha) e``,
     renormalised each step; each batch element stops as soon as its L1 change falls below
-    ``tol`` (the others go on). The damped matrix is never formed.
+    ``tol`` (the others go on, on a copy of their chains). The damped matrix is never formed.
 
     Args:
         attn: ``(..., N, N)`` row-stochastic attention.
@@ -344,11 +344,11 @@ def tokenrank(
     iters = torch.zeros(m, dtype=torch.long, device=x.device)
     resid = torch.full((m,), float("inf"), dtype=x.dtype, device=x.device)
     active = torch.arange(m, device=x.device)
-    mats, tele = flat, e
+    mats, tele, inv = flat, e, inv_c
     for it in range(1, max_iter + 1):
         cur = pi[active]
         if source:
-            u = cur * inv_c[active]
+            u = cur * inv
             new = a * torch.bmm(u.unsqueeze(1), mats.transpose(-1, -2)).squeeze(1)
             new = new + (1 - a) * (u * tele).sum(-1, keepdim=True)
         else:
@@ -361,8 +361,9 @@ def tokenrank(
         still = change >= tol
         if not bool(still.any()):
             break
-        if not bool(still.all()):
+        if not bool(still.all()):  # keep iterating the others only (a copy of their chains)
             active, mats, tele = active[still], mats[still], tele[still]
+            inv = inv[still] if source else None
     pi = pi.reshape(*batch, n)
     if not return_info:
         return pi
