@@ -358,7 +358,8 @@ def _gray(mask: Tensor | np.ndarray) -> np.ndarray:
 
 
 def write_panel(path: Path, image, target: np.ndarray, rows: list[tuple[str, list[np.ndarray]]]) -> None:
-    """One PNG: per method a row ``image | heatmap | mask | ground truth`` (labelled)."""
+    """One PNG: column headers, then per method a row ``image | heatmap | mask | ground
+    truth`` (``labels`` instead of ``mask`` for multi-class sets) labelled with the method."""
     import cv2
     from PIL import Image
 
@@ -374,7 +375,12 @@ def write_panel(path: Path, image, target: np.ndarray, rows: list[tuple[str, lis
         head = np.full((18, strip.shape[1], 3), 255, np.uint8)
         cv2.putText(head, label, (2, 13), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (0, 0, 0), 1, cv2.LINE_AA)
         lines.append(np.concatenate([head, strip, np.full((pad, strip.shape[1], 3), 255, np.uint8)], 0))
-    canvas = np.concatenate(lines, 0)
+    tiles = ["heatmap", "mask" if target.dtype == bool else "labels"]
+    names = ["image", *(tiles + [""] * len(rows[0][1]))[: len(rows[0][1])], "ground truth"] if rows else []
+    header = np.full((18, lines[0].shape[1] if lines else 1, 3), 255, np.uint8)  # column headers
+    for c, name in enumerate(names):
+        cv2.putText(header, name, (c * (w + pad) + 2, 13), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (0, 0, 0), 1, cv2.LINE_AA)
+    canvas = np.concatenate([header, *lines], 0)
     buf = io.BytesIO()
     Image.fromarray(canvas).save(buf, format="PNG")
     with atomic_path(path) as tmp:

@@ -54,7 +54,7 @@ from segment.record import AttentionRecord, Capture, TokenLayout
 from segment.reduce import AttentionReducer
 from segment.utils import resolve_device
 
-__all__ = ["TimmViT", "load_state_dict", "resample_pos_embed"]
+__all__ = ["TimmViT", "check_pretrained_reachable", "load_state_dict", "resample_pos_embed"]
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -152,6 +152,66 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     return sd
 
 
+def _hub_reachable(endpoint: str, timeout: float = 3.0) -> str | None:
+    """``None`` when a TCP connection to the hub's host opens within ``timeout`` seconds,
+    else the reason (one short phrase)."""
+    import socket
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(endpoint)
+    host = u.hostname or endpoint
+    port = u.port or (443 if u.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as e:
+        return f"{endpoint} unreachable: {e.strerror or type(e).__name__}"
+
+
+def check_pretrained_reachable(arch: str, name: str | None = None) -> None:
+    """Fail within seconds when the pretrained weights of ``arch`` are neither cached nor
+    downloadable, instead of letting the hub client retry for a minute.
+
+    Cached = the Hugging Face cache holds a weights file of the model's hub repository, or
+    timm's old torch-hub cache holds the file of its URL. Otherwise the hub must be
+    reachable: ``HF_HUB_OFFLINE=1`` says it is not; else one TCP connection to
+    ``HF_ENDPOINT`` (default https://huggingface.co) is tried with a 3 s timeout.
+
+    Raises:
+        RuntimeError: one message naming ``model.checkpoint=PATH`` and the cache folder.
+    """
+    from timm.models import get_pretrained_cfg
+
+    pcfg = get_pretrained_cfg(arch)
+    repo = getattr(pcfg, "hf_hub_id", None) if pcfg is not None else None
+    if not repo:
+        return  # weights from a plain URL only: timm's own download and errors
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    names = [getattr(pcfg, "hf_hub_filename", None), "model.safetensors", "pytorch_model.bin",
+             "open_clip_model.safetensors", "open_clip_pytorch_model.bin"]
+    for fn in filter(None, names):
+        if isinstance(try_to_load_from_cache(repo, fn, cache_dir=constants.HF_HUB_CACHE), str):
+            return
+    url = getattr(pcfg, "url", None)
+    if url:
+        old = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url.split("?")[0])
+        if old.is_file():
+            return
+    if constants.HF_HUB_OFFLINE:
+        why = "HF_HUB_OFFLINE is set"
+    else:
+        why = _hub_reachable(constants.ENDPOINT)
+        if why is None:
+            return
+    raise RuntimeError(
+        f"{name or arch}: pretrained weights {repo} are not in the cache "
+        f"{constants.HF_HUB_CACHE} and cannot be downloaded ({why}); pass a local file with "
+        f"model.checkpoint=PATH (.safetensors or torch state dict), or download the weights "
+        f"on a connected machine into that cache (HF_HOME)"
+    )
+
+
 class TimmViT(Backbone):
     """A timm ``VisionTransformer`` whose attention is read as Markov chains.
 
@@ -204,6 +264,7 @@ class TimmViT(Backbone):
         if checkpoint:
             model = self._from_checkpoint(arch, Path(checkpoint), kwargs)
         elif pretrained:
+            check_pretrained_reachable(arch, self.name)
             try:
                 model = timm.create_model(arch, pretrained=True, **kwargs)
             except Exception as e:  # noqa: BLE001 - hub / network / cache errors vary

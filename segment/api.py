@@ -21,11 +21,9 @@ keys as overrides: ``segment.load(image_size=448, steps=3)`` sets ``model.image_
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from importlib import resources
 from pathlib import Path
 from typing import Any, Union
 
@@ -35,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 from torch import Tensor
 
+from segment.front import config_names, suggest
 from segment.io import ImageReadError, read_image, to_rgb
 from segment.masks import MethodOutput
 from segment.outputs import RenderOptions, Segmentation, overlay, postprocess
@@ -52,28 +51,13 @@ API_KEYS = ("batch_size", "max_pixels")
 # --------------------------------------------------------------------------- config
 
 
-def config_names(group: str) -> list[str]:
-    """The options of a config group (``model``, ``method``, ``dataset``, ``experiment``)."""
-    root = resources.files("segment.configs") / group
-    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
-
-
 def _load_yaml(*parts: str) -> DictConfig:
+    from importlib import resources
+
     node = resources.files("segment.configs").joinpath(*parts)
     cfg = OmegaConf.create(node.read_text(encoding="utf-8"))
     assert isinstance(cfg, DictConfig)
     return cfg
-
-
-def suggest(word: str, candidates: Sequence[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest candidate, or an empty string."""
-    cands = list(dict.fromkeys(candidates))
-    got = difflib.get_close_matches(word, cands, n=1, cutoff=0.6)
-    if not got:  # compare the last component of dotted keys too (model.checkpont)
-        tail = {c.rsplit(".", 1)[-1]: c for c in cands}
-        hit = difflib.get_close_matches(word.rsplit(".", 1)[-1], list(tail), n=1, cutoff=0.75)
-        got = [tail[hit[0]]] if hit else []
-    return f" (did you mean {got[0]!r}?)" if got else ""
 
 
 def _choose(group: str, name: str) -> DictConfig:
