@@ -549,8 +549,8 @@ td img{width:100%%;height:auto;max-width:%(t)dpx;display:block}
 .name{font-family:monospace;overflow-wrap:normal;word-break:normal;hyphens:none;overflow-x:auto}
 .small{color:#666;font-size:85%%}
 .legend{display:flex;flex-wrap:wrap;gap:.6em 2em;align-items:center;margin:.6em 0 1em;font-size:90%%}
-.legend>div{display:flex;align-items:center;gap:.4em;white-space:nowrap}
-.bar{display:inline-block;width:14em;height:.9em;border:1px solid #888}
+.legend>div{max-width:100%%}
+.bar{display:inline-block;width:14em;max-width:40vw;height:.9em;border:1px solid #888;vertical-align:middle;margin:0 .3em}
 .sw{display:inline-block;width:.9em;height:.9em;border:1px solid #555;vertical-align:middle;margin:1px}
 .sw.fg{outline:2px solid #111;outline-offset:1px}
 .key{font-size:80%%;color:#444;margin-top:2px}
@@ -587,8 +587,8 @@ def _legend(colormap: str, with_labels: bool) -> str:
     if with_labels:
         parts.append(
             '<div><b>labels</b>: one colour per region; <span class="sw fg" style="background:#ccc"></span> '
-            "ringed = foreground region, plain = background (key under each label map); "
-            "overlay: foreground outlined in white, background regions darkened</div>"
+            "ringed = foreground region, plain = background (key under each label map)</div>"
+            "<div><b>overlay</b>: regions tinted, foreground outlined in white, background regions darkened</div>"
         )
     else:
         parts.append("<div><b>overlay</b>: background darkened, mask outlined in green</div>")
