@@ -30,6 +30,7 @@ import os
 import shutil
 import sys
 import tempfile
+import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -315,7 +316,7 @@ _HELP = {
         ],
         required=[
             ("dataset.root=PATH", "the data set (required)"),
-            ("output=DIR", "results folder; default: outputs/eval/DATE/TIME (rerun with the same output= to resume)"),
+            ("output=DIR", "results folder (default outputs/eval/DATE/TIME); the same output= resumes"),
             ("model.checkpoint=PATH", "offline machines: local weights"),
         ],
         settings="methods=[...]  include_default=true  device=auto  batch_size=8  num_workers=0  limit=N\n"
@@ -328,22 +329,23 @@ def help_text(command: str) -> str:
     """The ``--help`` text of a command (groups listed from the installed configs)."""
     h = _HELP[command]
     groups = ("model", "method") if command == "segment" else ("model", "method", "dataset", "experiment")
-    lines = [f"{command}: {h['what']}.", "", "Usage:", f"  {h['usage']}", "", "Examples:"]
+    lines = [textwrap.fill(f"{command}: {h['what']}.", width=96), "", "Usage:", f"  {h['usage']}", "", "Examples:"]
     for cmd, note in h["examples"]:
         lines.append(f"  {cmd}" + (f"\n      # {note}" if note else ""))
     lines += ["", "Required keys and the usual ones:"]
     lines += [f"  {k:<22} {v}" for k, v in h["required"]]
     lines += ["", "Config groups (GROUP=NAME):"]
     for g in groups:
-        lines.append(f"  {g:<11} " + ", ".join(config_names(g)))
+        lines.append(textwrap.fill(", ".join(config_names(g)), width=96, initial_indent=f"  {g:<11} ",
+                                   subsequent_indent=" " * 14, break_on_hyphens=False))
     lines += ["", "Settings (KEY=VALUE):", f"  {h['settings']}",
-              "  model.KEY / method.KEY: the keys of the chosen configs; list them with "
-              f"`{command} [model=NAME] [method=NAME] --cfg job`",
+              "  model.KEY / method.KEY: the keys of the chosen configs; list them with",
+              f"  `{command} [model=NAME] [method=NAME] --cfg job`",
               "", "Exit codes: 0 done, 1 nothing could be processed, 2 unusable input or settings, "
               "130 interrupted.",
               "Python: import segment; seg = segment.load(model=..., method=...); seg(image)",
               "Hydra's own options: --hydra-help"]
-    return "\n".join(lines).replace("$", "$$") + "\n"
+    return "\n".join(lines).replace("$", "$$")
 
 
 def register_help_resolver() -> None:

@@ -249,15 +249,22 @@ def test_help(tmp_path, cmd, groups, absent):
     r = run(cmd, "--help", cwd=tmp_path)
     assert r.returncode == 0 and "powered by Hydra" not in r.stdout
     text = r.stdout
-    assert text == help_text(cmd).replace("$$", "$")
+    assert text == help_text(cmd).replace("$$", "$") + "\n"
     assert "Usage:" in text and f"  {cmd} " in text
     examples = text.split("Examples:")[1].split("\n\n")[0]
     assert sum(ln.startswith(f"  {cmd} ") for ln in examples.splitlines()) == 3
     assert "model.checkpoint=PATH" in text and "Exit codes: 0" in text
     if cmd == "segment-eval":
         assert "dataset.root=PATH" in text and "(required)" in text
-    listed = {ln.split()[0]: ln for ln in text.split("Config groups (GROUP=NAME):")[1].split("\n\n")[0].splitlines()
-              if ln.strip()}
+    listed: dict[str, str] = {}
+    for ln in text.split("Config groups (GROUP=NAME):")[1].split("\n\n")[0].splitlines():
+        if not ln.strip():
+            continue
+        if ln.startswith("  ") and not ln.startswith("   "):
+            listed[ln.split()[0]] = ln
+        else:  # a wrapped continuation
+            listed[list(listed)[-1]] += " " + ln.strip()
+    assert all(len(ln) <= 100 for ln in text.splitlines() if not ln.startswith(f"  {cmd} ")), text
     assert set(listed) == set(groups)
     for g in groups:
         assert listed[g].split(None, 1)[1].replace(",", " ").split() == config_names(g)
