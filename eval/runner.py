@@ -464,7 +464,11 @@ def _instantiate_model(cfg: DictConfig, device: torch.device) -> Any:
     kwargs = {"device": str(device)} if "device" in cfg.model else {}
     if cfg.get("seed") is not None:  # same random-init weights on every rank and rerun
         torch.manual_seed(int(cfg.seed))
-    return instantiate(cfg.model, **kwargs)
+    try:
+        return instantiate(cfg.model, **kwargs)
+    except Exception as e:  # no weights offline, a checkpoint that does not fit: one line, exit 2
+        cause = e.__cause__ if type(e).__name__ == "InstantiationException" and e.__cause__ else e
+        raise ConfigError(f"cannot build the model: {type(cause).__name__}: {cause}") from e
 
 
 def _instantiate_dataset(cfg: DictConfig) -> Any:

@@ -13,7 +13,7 @@ and prints a traceback of its log handler when the output cannot be written. So
 3. runs Hydra; the job's exit code comes back through ``SystemExit`` (Hydra drops return
    values); Ctrl-C anywhere is 130;
 4. after exit 2 (the run could not start), removes the run folder when this run created
-   it and it holds only Hydra's own files (``.hydra/``, ``*.log``), and the empty parent
+   it and it holds only Hydra's own files (``.hydra/``, ``*.log``) and empty folders, and the empty parent
    folders it created (``outputs/eval/DATE/TIME``): nothing is left behind.
 
 It also provides the ``--help`` text (``hydra.help.template`` in ``configs/segment.yaml``
@@ -214,11 +214,18 @@ def check_output(output: str | os.PathLike) -> Plan:
 # --------------------------------------------------------------------------- cleanup
 
 
+def _no_files(folder: Path) -> bool:
+    return all(p.is_dir() and not p.is_symlink() and _no_files(p) for p in folder.iterdir())
+
+
 def _only_hydra_files(folder: Path) -> bool:
+    """Only Hydra's ``.hydra/`` and ``*.log``, and folders without files (an empty cache)."""
     for p in folder.iterdir():
         if p.name == ".hydra" and p.is_dir():
             continue
         if p.suffix == ".log" and p.is_file():
+            continue
+        if p.is_dir() and not p.is_symlink() and _no_files(p):
             continue
         return False
     return True

@@ -218,6 +218,13 @@ def test_offline_fails_fast_with_one_message(tmp_path, how):
     assert ("HF_HUB_OFFLINE" in line) == (how == "HF_HUB_OFFLINE")
     assert elapsed < 45, elapsed  # includes importing torch on a loaded 2-core machine
     _nothing_created(cwd)
+    if how == "HF_HUB_OFFLINE":
+        return
+    data = _folder(tmp_path / "data", 2, masks=True)  # segment-eval: the same message, exit 2, no folder
+    r = run("segment-eval", f"dataset.root={data}", "device=cpu", cwd=cwd, env=env)
+    line = _one_line_error(r, "model.checkpoint=PATH")
+    assert line.startswith("segment-eval: cannot build the model") and str(tmp_path / "hf" / "hub") in line
+    _nothing_created(cwd)
 
 
 def test_cached_weights_need_no_network(tmp_path, monkeypatch):
