@@ -39,7 +39,8 @@ from segment.masks import MethodOutput
 from segment.outputs import RenderOptions, Segmentation, overlay, postprocess
 from segment.record import AttentionRecord
 
-__all__ = ["Result", "Segmenter", "load", "show", "config_names", "compose_config", "suggest"]
+__all__ = ["Batch", "ImageReadError", "Result", "Segmenter", "compose_config", "config_names", "load", "show",
+           "suggest", "to_image"]
 
 ImageLike = Union[Image.Image, np.ndarray, Tensor, str, os.PathLike]
 
@@ -414,5 +415,3 @@ def load(
             raise cause from None
         raise
 
-
-__all__ += ["to_image", "Batch", "ImageReadError"]
