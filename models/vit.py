@@ -36,6 +36,7 @@ implementing :class:`~segment.models.base.Backbone` (``preprocess``, ``extract``
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -168,7 +169,22 @@ def _hub_reachable(endpoint: str, timeout: float = 3.0) -> str | None:
         return f"{endpoint} unreachable: {e.strerror or type(e).__name__}"
 
 
-def check_pretrained_reachable(arch: str, name: str | None = None) -> None:
+class _hub_offline:  # noqa: N801 - used as a context manager
+    """Offline mode of the Hugging Face hub client for the duration of a block."""
+
+    def __enter__(self) -> None:
+        from huggingface_hub import constants
+
+        self._old = constants.HF_HUB_OFFLINE
+        constants.HF_HUB_OFFLINE = True
+
+    def __exit__(self, *exc: object) -> None:
+        from huggingface_hub import constants
+
+        constants.HF_HUB_OFFLINE = self._old
+
+
+def check_pretrained_reachable(arch: str, name: str | None = None) -> bool:
     """Fail within seconds when the pretrained weights of ``arch`` are neither cached nor
     downloadable, instead of letting the hub client retry for a minute.
 
@@ -176,6 +192,10 @@ def check_pretrained_reachable(arch: str, name: str | None = None) -> None:
     timm's old torch-hub cache holds the file of its URL. Otherwise the hub must be
     reachable: ``HF_HUB_OFFLINE=1`` says it is not; else one TCP connection to
     ``HF_ENDPOINT`` (default https://huggingface.co) is tried with a 3 s timeout.
+
+    Returns:
+        ``True`` when the weights are cached and the hub is not reachable: load them with
+        the hub client in offline mode (see :func:`_hub_offline`), which skips its retries.
 
     Raises:
         RuntimeError: one message naming ``model.checkpoint=PATH`` and the cache folder.
@@ -188,22 +208,24 @@ def check_pretrained_reachable(arch: str, name: str | None = None) -> None:
         return  # weights from a plain URL only: timm's own download and errors
     from huggingface_hub import constants, try_to_load_from_cache
 
+    offline = getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)()
     names = [getattr(pcfg, "hf_hub_filename", None), "model.safetensors", "pytorch_model.bin",
              "open_clip_model.safetensors", "open_clip_pytorch_model.bin"]
-    for fn in filter(None, names):
-        if isinstance(try_to_load_from_cache(repo, fn, cache_dir=constants.HF_HUB_CACHE), str):
-            return
+    cached = any(isinstance(try_to_load_from_cache(repo, fn, cache_dir=constants.HF_HUB_CACHE), str)
+                 for fn in filter(None, names))
+    if cached:
+        return not offline and _hub_reachable(constants.ENDPOINT) is not None
     url = getattr(pcfg, "url", None)
     if url:
         old = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url.split("?")[0])
         if old.is_file():
-            return
-    if constants.HF_HUB_OFFLINE:
+            return False
+    if offline:
         why = "HF_HUB_OFFLINE is set"
     else:
         why = _hub_reachable(constants.ENDPOINT)
         if why is None:
-            return
+            return False
     raise RuntimeError(
         f"{name or arch}: pretrained weights {repo} are not in the cache "
         f"{constants.HF_HUB_CACHE} and cannot be downloaded ({why}); pass a local file with "
@@ -264,9 +286,10 @@ class TimmViT(Backbone):
         if checkpoint:
             model = self._from_checkpoint(arch, Path(checkpoint), kwargs)
         elif pretrained:
-            check_pretrained_reachable(arch, self.name)
+            cache_only = check_pretrained_reachable(arch, self.name)
             try:
-                model = timm.create_model(arch, pretrained=True, **kwargs)
+                with _hub_offline() if cache_only else contextlib.nullcontext():
+                    model = timm.create_model(arch, pretrained=True, **kwargs)
             except Exception as e:  # noqa: BLE001 - hub / network / cache errors vary
                 raise RuntimeError(
                     f"could not load pretrained weights for {arch!r} from the hub"

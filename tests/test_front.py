@@ -278,3 +278,29 @@ def test_help(tmp_path, cmd, groups, absent):
     for g in absent:
         assert f"  {g} " not in text and f"{g}=" not in text
     _nothing_created(tmp_path)
+
+
+def test_cached_weights_load_without_the_hub(tmp_path, monkeypatch, dinov2_weights):
+    """Weights in the Hugging Face cache, hub unreachable: loaded from the cache in offline
+    mode (no retries), the same weights as model.checkpoint=PATH."""
+    import torch
+    from huggingface_hub import constants
+    from safetensors.torch import save_file
+
+    from segment.models.vit import TimmViT
+
+    ref = TimmViT("vit_small_patch14_dinov2.lvd142m", checkpoint=dinov2_weights, device="cpu")
+    snap = tmp_path / "models--timm--vit_small_patch14_dinov2.lvd142m" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text("abc")
+    save_file({k: v.contiguous() for k, v in ref.model.state_dict().items()}, str(snap / "model.safetensors"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    t0 = time.perf_counter()
+    got = TimmViT("vit_small_patch14_dinov2.lvd142m", device="cpu")
+    assert time.perf_counter() - t0 < 30
+    assert constants.HF_HUB_OFFLINE is False  # restored after loading
+    sd, want = got.model.state_dict(), ref.model.state_dict()
+    assert sd.keys() == want.keys() and all(torch.equal(sd[k], want[k]) for k in sd)
