@@ -50,6 +50,7 @@ from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 from torch import Tensor
 
+from segment.api import Segmenter
 from segment.io import (
     IMAGE_EXTENSIONS,
     ImageFile,
@@ -60,7 +61,6 @@ from segment.io import (
     find_images,
     read_image,
 )
-from segment.api import Segmenter
 from segment.masks import MethodOutput
 from segment.outputs import (
     ImageRecord,
