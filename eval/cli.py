@@ -1,11 +1,19 @@
-"""``segment-eval``: score methods on a benchmark (Hydra entry point; work in ``run``)."""
+"""``segment-eval``: score methods on a benchmark (Hydra entry point; work in ``run``).
+
+:func:`segment.front.run_command` checks the command line and the output folder before
+Hydra starts, and maps the outcome to the exit code (0 done, 2 unusable input or settings,
+130 interrupted); a run that cannot start leaves no ``outputs/eval/DATE/TIME`` behind.
+"""
 
 from __future__ import annotations
 
 import hydra
 from omegaconf import DictConfig
 
+from segment import front
+
 CONFIG_PATH = "pkg://segment.configs"
+front.register_help_resolver()  # ${segment_help:segment-eval} in hydra.help.template
 
 
 def run(cfg: DictConfig) -> int:
@@ -17,11 +25,16 @@ def run(cfg: DictConfig) -> int:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="eval")
 def _main(cfg: DictConfig) -> int:
-    return run(cfg)
+    front.note_run_dir()
+    code = run(cfg)
+    if code:  # hydra.main drops the task's return value; exit here so the shell sees it
+        raise SystemExit(code)
+    return code
 
 
 def main() -> None:
-    raise SystemExit(_main())
+    raise SystemExit(front.run_command(
+        "segment-eval", "eval", _main, groups=("model", "method", "dataset", "experiment")))
 
 
 if __name__ == "__main__":

@@ -358,7 +358,8 @@ def _gray(mask: Tensor | np.ndarray) -> np.ndarray:
 
 
 def write_panel(path: Path, image, target: np.ndarray, rows: list[tuple[str, list[np.ndarray]]]) -> None:
-    """One PNG: per method a row ``image | heatmap | mask | ground truth`` (labelled)."""
+    """One PNG: column headers, then per method a row ``image | heatmap | mask | ground
+    truth`` (``labels`` instead of ``mask`` for multi-class sets) labelled with the method."""
     import cv2
     from PIL import Image
 
@@ -374,7 +375,12 @@ def write_panel(path: Path, image, target: np.ndarray, rows: list[tuple[str, lis
         head = np.full((18, strip.shape[1], 3), 255, np.uint8)
         cv2.putText(head, label, (2, 13), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (0, 0, 0), 1, cv2.LINE_AA)
         lines.append(np.concatenate([head, strip, np.full((pad, strip.shape[1], 3), 255, np.uint8)], 0))
-    canvas = np.concatenate(lines, 0)
+    tiles = ["heatmap", "mask" if target.dtype == bool else "labels"]
+    names = ["image", *(tiles + [""] * len(rows[0][1]))[: len(rows[0][1])], "ground truth"] if rows else []
+    header = np.full((18, lines[0].shape[1] if lines else 1, 3), 255, np.uint8)  # column headers
+    for c, name in enumerate(names):
+        cv2.putText(header, name, (c * (w + pad) + 2, 13), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (0, 0, 0), 1, cv2.LINE_AA)
+    canvas = np.concatenate([header, *lines], 0)
     buf = io.BytesIO()
     Image.fromarray(canvas).save(buf, format="PNG")
     with atomic_path(path) as tmp:
@@ -458,7 +464,11 @@ def _instantiate_model(cfg: DictConfig, device: torch.device) -> Any:
     kwargs = {"device": str(device)} if "device" in cfg.model else {}
     if cfg.get("seed") is not None:  # same random-init weights on every rank and rerun
         torch.manual_seed(int(cfg.seed))
-    return instantiate(cfg.model, **kwargs)
+    try:
+        return instantiate(cfg.model, **kwargs)
+    except Exception as e:  # no weights offline, a checkpoint that does not fit: one line, exit 2
+        cause = e.__cause__ if type(e).__name__ == "InstantiationException" and e.__cause__ else e
+        raise ConfigError(f"cannot build the model: {type(cause).__name__}: {cause}") from e
 
 
 def _instantiate_dataset(cfg: DictConfig) -> Any:

@@ -36,6 +36,7 @@ implementing :class:`~segment.models.base.Backbone` (``preprocess``, ``extract``
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -54,7 +55,7 @@ from segment.record import AttentionRecord, Capture, TokenLayout
 from segment.reduce import AttentionReducer
 from segment.utils import resolve_device
 
-__all__ = ["TimmViT", "load_state_dict", "resample_pos_embed"]
+__all__ = ["TimmViT", "check_pretrained_reachable", "load_state_dict", "resample_pos_embed"]
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -152,6 +153,87 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     return sd
 
 
+def _hub_reachable(endpoint: str, timeout: float = 3.0) -> str | None:
+    """``None`` when a TCP connection to the hub's host opens within ``timeout`` seconds,
+    else the reason (one short phrase)."""
+    import socket
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(endpoint)
+    host = u.hostname or endpoint
+    port = u.port or (443 if u.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as e:
+        return f"{endpoint} unreachable: {e.strerror or type(e).__name__}"
+
+
+class _hub_offline:  # noqa: N801 - used as a context manager
+    """Offline mode of the Hugging Face hub client for the duration of a block."""
+
+    def __enter__(self) -> None:
+        from huggingface_hub import constants
+
+        self._old = constants.HF_HUB_OFFLINE
+        constants.HF_HUB_OFFLINE = True
+
+    def __exit__(self, *exc: object) -> None:
+        from huggingface_hub import constants
+
+        constants.HF_HUB_OFFLINE = self._old
+
+
+def check_pretrained_reachable(arch: str, name: str | None = None) -> bool:
+    """Fail within seconds when the pretrained weights of ``arch`` are neither cached nor
+    downloadable, instead of letting the hub client retry for a minute.
+
+    Cached = the Hugging Face cache holds a weights file of the model's hub repository, or
+    timm's old torch-hub cache holds the file of its URL. Otherwise the hub must be
+    reachable: ``HF_HUB_OFFLINE=1`` says it is not; else one TCP connection to
+    ``HF_ENDPOINT`` (default https://huggingface.co) is tried with a 3 s timeout.
+
+    Returns:
+        ``True`` when the weights are cached and the hub is not reachable: load them with
+        the hub client in offline mode (see :func:`_hub_offline`), which skips its retries.
+
+    Raises:
+        RuntimeError: one message naming ``model.checkpoint=PATH`` and the cache folder.
+    """
+    from timm.models import get_pretrained_cfg
+
+    pcfg = get_pretrained_cfg(arch)
+    repo = getattr(pcfg, "hf_hub_id", None) if pcfg is not None else None
+    if not repo:
+        return  # weights from a plain URL only: timm's own download and errors
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    offline = getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)()
+    names = [getattr(pcfg, "hf_hub_filename", None), "model.safetensors", "pytorch_model.bin",
+             "open_clip_model.safetensors", "open_clip_pytorch_model.bin"]
+    cached = any(isinstance(try_to_load_from_cache(repo, fn, cache_dir=constants.HF_HUB_CACHE), str)
+                 for fn in filter(None, names))
+    if cached:
+        return not offline and _hub_reachable(constants.ENDPOINT) is not None
+    url = getattr(pcfg, "url", None)
+    if url:
+        old = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url.split("?")[0])
+        if old.is_file():
+            return False
+    if offline:
+        why = "HF_HUB_OFFLINE is set"
+    else:
+        why = _hub_reachable(constants.ENDPOINT)
+        if why is None:
+            return False
+    raise RuntimeError(
+        f"{name or arch}: pretrained weights {repo} are not in the cache "
+        f"{constants.HF_HUB_CACHE} and cannot be downloaded ({why}); pass a local file with "
+        f"model.checkpoint=PATH (.safetensors or torch state dict), or download the weights "
+        f"on a connected machine into that cache (HF_HOME)"
+    )
+
+
 class TimmViT(Backbone):
     """A timm ``VisionTransformer`` whose attention is read as Markov chains.
 
@@ -204,8 +286,10 @@ class TimmViT(Backbone):
         if checkpoint:
             model = self._from_checkpoint(arch, Path(checkpoint), kwargs)
         elif pretrained:
+            cache_only = check_pretrained_reachable(arch, self.name)
             try:
-                model = timm.create_model(arch, pretrained=True, **kwargs)
+                with _hub_offline() if cache_only else contextlib.nullcontext():
+                    model = timm.create_model(arch, pretrained=True, **kwargs)
             except Exception as e:  # noqa: BLE001 - hub / network / cache errors vary
                 raise RuntimeError(
                     f"could not load pretrained weights for {arch!r} from the hub"

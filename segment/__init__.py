@@ -1,3 +1,25 @@
-"""segment: zero-shot segmentation from attention read as a discrete-time Markov chain."""
+"""segment: zero-shot segmentation from attention read as a discrete-time Markov chain.
+
+Python API (loaded on first use, so ``import segment`` stays light)::
+
+    seg = segment.load()            # -> segment.Segmenter (configs/model, configs/method names)
+    res = seg("photo.jpg")          # -> segment.Result: mask, heatmap, labels, foreground, record
+    segment.show(res)               # overlay as a PIL image
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+_API = ("load", "show", "Segmenter", "Result")
+__all__ = [*_API, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API:
+        from segment import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'segment' has no attribute {name!r}")

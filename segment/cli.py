@@ -1,11 +1,19 @@
-"""``segment``: segment a folder of images (Hydra entry point; the work is in ``run``)."""
+"""``segment``: segment a folder of images (Hydra entry point; the work is in ``run``).
+
+:func:`segment.front.run_command` checks the command line and the output folder before
+Hydra starts, and maps the outcome to the exit code (0 done, 1 nothing processed, 2
+unusable input or settings, 130 interrupted).
+"""
 
 from __future__ import annotations
 
 import hydra
 from omegaconf import DictConfig
 
+from segment import front
+
 CONFIG_PATH = "pkg://segment.configs"
+front.register_help_resolver()  # ${segment_help:segment} in hydra.help.template
 
 
 def run(cfg: DictConfig) -> int:
@@ -17,6 +25,7 @@ def run(cfg: DictConfig) -> int:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="segment")
 def _main(cfg: DictConfig) -> int:
+    front.note_run_dir()
     code = run(cfg)
     if code:  # hydra.main drops the task's return value; exit here so the shell sees it
         raise SystemExit(code)
@@ -24,7 +33,7 @@ def _main(cfg: DictConfig) -> int:
 
 
 def main() -> None:
-    raise SystemExit(_main())
+    raise SystemExit(front.run_command("segment", "segment", _main, groups=("model", "method")))
 
 
 if __name__ == "__main__":

@@ -3,10 +3,14 @@
 Flow (:func:`run_segment`)::
 
     find_images ──> plan (resume: skip images whose record is current)
-        ──> loader threads: read + EXIF + RGB + backbone.preprocess      (overlapped)
-        ──> main thread: batches of one preprocessed size -> extract -> method
-        ──> writer threads: protocol post-processing at the original size, files, record
+        ──> build the Segmenter (segment.api: backbone + method; the Python API's object)
+    ──> loader threads: read + EXIF + RGB + Segmenter.preprocess       (overlapped)
+        ──> main thread: batches of one preprocessed size -> Segmenter.forward
+        ──> writer threads: Segmenter.postprocess at the original size, files, record
     ──> annotations.json, index.html, run.json from the records of every image
+
+The per-batch computation is :class:`segment.api.Segmenter`'s, the object ``segment.load``
+returns, so the command's masks and the API's are the same computation.
 
 "Done" is recorded per image by ``records/<name>.json``, written after all of that image's
 files; an image counts as done when its record exists, was made with the same model and
@@ -17,8 +21,10 @@ end of every run, so a resumed run lists every image of the input.
 Bad input never stops the run: each unusable file is logged with the reason, listed in the
 manifest and the gallery, and the run goes on. The exit code is 0 when at least one image is
 segmented (now or by an earlier run), 1 when none could be, 2 when the input itself is
-unusable (missing path, no images, bad settings), 130 after Ctrl-C (the files of finished
-images and the run-level files are still written).
+unusable (missing path, no images, bad settings, a model that cannot be loaded), 130 after
+Ctrl-C (the files of finished images and the run-level files are still written). A run that
+cannot start (exit 2 before any image is processed) writes nothing into the output folder
+and does not create it.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 from torch import Tensor
 
+from segment.api import Segmenter
 from segment.io import (
     IMAGE_EXTENSIONS,
     ImageFile,
@@ -60,7 +67,6 @@ from segment.outputs import (
     RenderOptions,
     load_record,
     package_versions,
-    postprocess,
     record_is_current,
     write_coco,
     write_gallery,
@@ -184,6 +190,7 @@ class SegmentRun:
         self.cfg = cfg
         self.backbone = backbone
         self.method = method
+        self.segmenter: Segmenter | None = None
         self.opts = RenderOptions(**(OmegaConf.to_container(cfg.render, resolve=True) if cfg.get("render") else {}))
         self.out = Path(str(cfg.output)).expanduser().resolve()
         self.batch_size = int(cfg.get("batch_size") or 1)
@@ -209,6 +216,8 @@ class SegmentRun:
         self.input_desc = "bundled examples" if cfg.get("input") is None else str(cfg.input)
         self.files: list[ImageFile] = []
         self.input_root: Path | None = None
+        self.gallery: Path | None = None  # index.html, once written
+        self.writing = False  # set once the output folder is in use: then run-level files are written
 
     # ------------------------------------------------------------------ entry
 
@@ -235,8 +244,10 @@ class SegmentRun:
             log.warning("interrupted: finished images are kept; rerun the same command to resume")
         finally:
             self.t.extra["total_s"] = time.perf_counter() - t0
-            if self.input_root is not None or self.error is not None:
+            if self.writing:
                 self._write_summary(code)
+        if self.gallery is not None:
+            print(f"gallery: {self.gallery}", flush=True)  # the last line of a run: open it
         return code
 
     def _fail(self, msg: str) -> int:
@@ -265,8 +276,6 @@ class SegmentRun:
                 f"no images found under {str(listing.root)!r} (looked recursively for "
                 f"{', '.join(IMAGE_EXTENSIONS)}; {len(self.ignored)} other files ignored)"
             )
-        self.out.mkdir(parents=True, exist_ok=True)
-
         ts = time.perf_counter()
         todo = self._plan()
         self.t.plan_s = time.perf_counter() - ts
@@ -284,6 +293,12 @@ class SegmentRun:
                 log.debug("building the model/method failed", exc_info=True)
                 return self._fail(f"cannot build the model or method: {_describe(e)}")
             self.t.model_load_s = time.perf_counter() - ts
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            return self._fail(f"cannot create the output folder {str(self.out)!r}: {e.strerror or e}")
+        self.writing = True
+        if todo:
             ts = time.perf_counter()
             try:
                 self._process(todo)
@@ -321,14 +336,10 @@ class SegmentRun:
         return todo
 
     def _build(self) -> None:
-        from hydra.utils import instantiate
-
         self.device = resolve_device(self.cfg.get("device", "auto"))
-        if self.backbone is None:
-            self.backbone = instantiate(self.cfg.model)
-        if self.method is None:
-            self.method = instantiate(self.cfg.method)
-        self.capture = self.method.capture(self.backbone.num_layers)
+        self.segmenter = Segmenter.from_config(self.cfg, backbone=self.backbone, method=self.method)
+        self.backbone, self.method = self.segmenter.backbone, self.segmenter.method
+        self.capture = self.segmenter.capture
         if self.num_workers == 0:  # a GPU forward is fast: more threads to decode and write
             dev = torch.device(getattr(self.backbone, "device", self.device))
             self.num_workers = max(1, min(16 if dev.type == "cuda" else 4, os.cpu_count() or 1))
@@ -350,7 +361,7 @@ class SegmentRun:
                 what = f"one {mh}x{mw} patch of {getattr(self.backbone, 'name', 'the model')}" if not self.min_size else f"min_size={self.min_size}"
                 raise ImageReadError(item.file.path, f"image is {w}x{h} px, smaller than {what}")
             item.loaded = loaded
-            item.pixels = self.backbone.preprocess(loaded.image)
+            item.pixels = self.segmenter.preprocess(loaded.image)
         except ImageReadError as e:
             item.error = e.reason
         except Exception as e:  # preprocessing of one odd image must not end the run
@@ -359,20 +370,14 @@ class SegmentRun:
         return item
 
     def _forward(self, items: list[_Item]) -> MethodOutput:
-        pixels = torch.stack([it.pixels for it in items])  # (B, 3, H, W)
-        with torch.no_grad():
-            record = self.backbone.extract(pixels, self.capture)
-            out = self.method(record)
-        return MethodOutput(
-            heatmap=out.heatmap.detach().float().cpu(),
-            labels=None if out.labels is None else out.labels.detach().cpu(),
-            foreground=None if out.foreground is None else out.foreground.detach().cpu(),
-        )
+        """Main thread: one batch of one preprocessed size through the Segmenter (the
+        attention record is dropped here; the API keeps it)."""
+        return self.segmenter.forward([it.pixels for it in items]).out
 
     def _write(self, item: _Item, out: MethodOutput, index: int) -> ImageRecord:
         """Writer thread: post-process at the original size, write files and record."""
         loaded = item.loaded
-        seg = postprocess(out, index, loaded.size)
+        seg = self.segmenter.postprocess(out, index, loaded.size)
         return write_image(
             self.out, item.file.name, np.asarray(loaded.image), seg, self.opts,
             source=item.file.rel, source_path=str(item.file.path),
@@ -513,8 +518,9 @@ class SegmentRun:
                     ("input", str(self.input_root)), ("model", str(model_name)), ("method", str(method_name)),
                     ("images", f"{len(records)} segmented of {len(self.files)}; {len(skipped)} file(s) not used"),
                 ],
-                thumb_size=self.opts.thumb_size,
+                thumb_size=self.opts.thumb_size, colormap=self.opts.colormap,
             )
+            self.gallery = self.out / "index.html"
         proc = self.t.processing_s
         timings = {k: round(v, 4) for k, v in self.t.__dict__.items() if isinstance(v, float)}
         timings.update({k: round(v, 4) for k, v in self.t.extra.items()})

@@ -423,3 +423,23 @@ def test_ecssd_dev_cls_attention_matches_reference(ecssd_dev, dinov2_weights, tm
     # rollout (REFERENCE.md: 77.66 / 57.57 / 63.48 / 86.98) as a second fidelity check
     for k, v in {"pixAcc": 77.66, "mIoU": 57.57, "mIoU_CA": 63.48, "mAP": 86.98}.items():
         assert rows["rollout"][k] == pytest.approx(v, abs=0.1), (k, rows["rollout"][k], v)
+
+
+def test_panel_has_column_headers(tmp_path):
+    """A header band names the columns (image | heatmap | mask | ground truth) above the
+    first method row: text over each of the four columns, then the method label band."""
+    from segment.eval.runner import write_panel
+
+    h, w, pad = 40, 64, 4
+    target = np.zeros((h, w), bool)
+    target[10:30, 20:40] = True
+    tile = np.full((h, w, 3), 255, np.uint8)
+    img = Image.fromarray(np.full((h, w, 3), 255, np.uint8))
+    write_panel(tmp_path / "p.png", img, target, [("m1", [tile, tile]), ("m2", [tile, tile])])
+    a = np.asarray(Image.open(tmp_path / "p.png").convert("L"))
+    assert a.shape == (18 + 2 * (18 + h + pad), 4 * (w + pad))
+    header = a[:18]
+    for c in range(4):  # some dark text over every column
+        assert (header[:, c * (w + pad) : c * (w + pad) + w] < 128).sum() > 20, c
+    label = a[18:36]  # then the first method's label band: text at the left only
+    assert (label[:, :w] < 128).sum() > 10 and (label[:, 2 * (w + pad) :] < 128).sum() == 0

@@ -304,3 +304,29 @@ def test_thumbnails_are_small_for_big_images(tmp_path):
     rec = write_image(tmp_path, "big", _image(300, 500), seg, RenderOptions(fsync=False, thumb_size=64), **_fields("big"))
     t = cv2.imread(str(tmp_path / rec.outputs["thumb/overlay"]))
     assert t.shape[:2] == (38, 64)
+
+
+def test_gallery_legend_and_region_keys(tmp_path):
+    """The colour bar is the run's colour map; under each label map, the regions the
+    method called foreground are ringed, the others plain, in their palette colours."""
+    from segment.outputs import colormap_lut, palette
+
+    seg = _region_seg(20, 30)
+    rec = write_image(tmp_path, "sub/long_name-with parts", _image(20, 30), seg, FAST, **_fields("r"))
+    text = render_gallery(tmp_path, [rec], colormap="viridis")
+    lut = colormap_lut("viridis")
+    stops = re.search(r'class="bar" style="background:linear-gradient\(to right,([^)]*)\)"', text).group(1).split(",")
+    assert len(stops) == 17 and stops[0] == "#%02x%02x%02x" % tuple(lut[0]) and stops[-1] == "#%02x%02x%02x" % tuple(lut[255])
+    assert "<b>labels</b>" in text and "<b>mask</b>" in text
+    key = re.search(r'<div class="key">(.*?)</div>', text).group(1)
+    fg_part, bg_part = key.split("<br>")
+    present = np.unique(seg.labels).tolist()
+    pal = palette(max(present) + 1)
+    for k in present:
+        swatch = f'style="background:#{"".join(f"{int(c):02x}" for c in pal[k])}"'
+        assert swatch in (fg_part if seg.foreground[k] else bg_part), k
+    assert fg_part.count('class="sw fg"') == sum(bool(seg.foreground[k]) for k in present)
+    assert "sub/<wbr>long_<wbr>name-<wbr>with <wbr>parts" in text  # breaks only after separators
+    binary = write_image(tmp_path, "b", _image(20, 30), _binary_seg(20, 30), FAST, **_fields("b"))
+    text = render_gallery(tmp_path, [binary])
+    assert 'class="key"' not in text and "outlined in green" in text

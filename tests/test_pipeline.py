@@ -155,12 +155,11 @@ def test_empty_missing_and_all_bad_inputs(tmp_path, caplog):
     (empty / "notes.txt").write_text("x")
     assert run_segment(compose_cfg(empty, tmp_path / "o1")) == 2
     assert "no images found" in caplog.text and str(empty) in caplog.text
-    man = _manifest(tmp_path / "o1")
-    assert man["exit_code"] == 2 and "no images found" in man["error"]
-    assert man["skipped"] == [{"path": "notes.txt", "reason": man["skipped"][0]["reason"]}]
+    assert not (tmp_path / "o1").exists()  # a run that cannot start creates nothing
     caplog.clear()
     assert run_segment(compose_cfg(tmp_path / "missing", tmp_path / "o2")) == 2
     assert "does not exist" in caplog.text
+    assert not (tmp_path / "o2").exists()
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "a.png").write_bytes(b"")

@@ -1,0 +1,417 @@
+"""The Python API: ``segment.load(...)`` gives a :class:`Segmenter`; calling it on images
+gives :class:`Result` objects. The ``segment`` command runs through the same object
+(:class:`segment.pipeline.SegmentRun` calls :meth:`Segmenter.preprocess`,
+:meth:`Segmenter.forward` and :meth:`Segmenter.postprocess`), so the masks of the API and
+of the command cannot drift apart.
+
+Example::
+
+    import segment
+
+    seg = segment.load()                       # DINOv2 ViT-S/14 + seed-and-grow regions
+    res = seg("photo.jpg")                     # or a PIL image, an HxWx3 uint8 array,
+                                               # a (3, H, W) float tensor in [0, 1], a list
+    res.mask                                   # (H, W) bool, the image's own size
+    segment.show(res)                          # overlay as a PIL image
+
+``load`` takes the config names of the command (``model=``, ``method=``) and the same
+keys as overrides: ``segment.load(image_size=448, steps=3)`` sets ``model.image_size`` and
+``method.steps``; a key that neither config has is refused with a suggestion.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from PIL import Image
+from torch import Tensor
+
+from segment.front import config_names, suggest
+from segment.io import ImageReadError, read_image, to_rgb
+from segment.masks import MethodOutput
+from segment.outputs import RenderOptions, Segmentation, overlay, postprocess
+from segment.record import AttentionRecord
+
+__all__ = ["Batch", "ImageReadError", "Result", "Segmenter", "compose_config", "config_names", "load", "show",
+           "suggest", "to_image"]
+
+ImageLike = Union[Image.Image, np.ndarray, Tensor, str, os.PathLike]
+
+API_KEYS = ("batch_size", "max_pixels")
+"""Run settings of ``configs/segment.yaml`` that the API honours (the others, such as
+``output`` or ``render.*``, are about files and belong to the command)."""
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _load_yaml(*parts: str) -> DictConfig:
+    from importlib import resources
+
+    node = resources.files("segment.configs").joinpath(*parts)
+    cfg = OmegaConf.create(node.read_text(encoding="utf-8"))
+    assert isinstance(cfg, DictConfig)
+    return cfg
+
+
+def _choose(group: str, name: str) -> DictConfig:
+    names = config_names(group)
+    if name not in names:
+        raise ValueError(f"unknown {group} {name!r}{suggest(name, names)}; choose one of {names}")
+    return _load_yaml(group, f"{name}.yaml")
+
+
+def compose_config(
+    model: str = "dinov2_vits14",
+    method: str = "regions",
+    checkpoint: str | os.PathLike | None = None,
+    device: str = "auto",
+    **overrides: Any,
+) -> DictConfig:
+    """The config the command would compose for ``model=... method=...`` plus overrides.
+
+    Overrides are routed by name: a key of the model config goes to ``model.KEY``, a key of
+    the method config to ``method.KEY``, ``batch_size``/``max_pixels`` to the run; dotted
+    keys (``**{"model.image_size": 448}``) are taken as they are.
+
+    Raises:
+        ValueError: for an unknown model, method or key (with a suggestion), or a key both
+            configs have (then name it ``model.KEY`` or ``method.KEY``).
+    """
+    run = _load_yaml("segment.yaml")
+    cfg = OmegaConf.create({
+        "model": _choose("model", model),
+        "method": _choose("method", method),
+        "device": str(device),
+        **{k: run.get(k) for k in API_KEYS},
+    })
+    if checkpoint is not None:
+        if "checkpoint" not in cfg.model:
+            raise ValueError(f"model {model!r} takes no checkpoint (its keys: {sorted(cfg.model)})")
+        cfg.model.checkpoint = str(Path(checkpoint).expanduser())
+    known = [f"model.{k}" for k in cfg.model if k != "_target_"]
+    known += [f"method.{k}" for k in cfg.method if k != "_target_"]
+    known += list(API_KEYS)
+    for key, value in overrides.items():
+        if "." in key:
+            path = key
+        else:
+            where = [g for g in ("model", "method") if key in cfg[g] and key != "_target_"]
+            if key in API_KEYS:
+                where = ["run"]
+            if len(where) > 1:
+                raise ValueError(f"{key!r} is a key of both the model and the method config; "
+                                 f"pass it as model.{key} or method.{key} (**{{'model.{key}': ...}})")
+            if not where:
+                names = known + [k.split(".", 1)[1] for k in known if "." in k]
+                raise ValueError(f"unknown setting {key!r}{suggest(key, names)}; the model "
+                                 f"{model!r} and the method {method!r} take: {', '.join(known)}")
+            path = key if where[0] == "run" else f"{where[0]}.{key}"
+        if path not in known:
+            raise ValueError(f"unknown setting {path!r}{suggest(path, known)}")
+        OmegaConf.update(cfg, path, value, merge=False)
+    return cfg
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class Result:
+    """One image's segmentation at its own size.
+
+    Attributes:
+        mask: ``(H, W)`` bool foreground (the ``masks/*.png`` of the command).
+        heatmap: ``(H, W)`` float32 ``R`` in ``[0, 1]`` (protocol §3).
+        labels: ``(H, W)`` int32 region ids (region methods), else ``None``.
+        foreground: ``(K,)`` bool, region ``k`` is foreground (region methods), else ``None``.
+        record: this image's :class:`~segment.record.AttentionRecord` (batch of one; the
+            chain the method read), or ``None`` when not kept.
+        image: the RGB image that was segmented (what :func:`show` draws on).
+    """
+
+    mask: np.ndarray
+    heatmap: np.ndarray
+    labels: np.ndarray | None
+    foreground: np.ndarray | None
+    record: AttentionRecord | None = None
+    image: Image.Image | None = None
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """``(H, W)``."""
+        return int(self.mask.shape[0]), int(self.mask.shape[1])
+
+    @classmethod
+    def from_segmentation(cls, seg: Segmentation, **kwargs: Any) -> Result:
+        return cls(
+            mask=seg.mask.astype(bool, copy=False),
+            heatmap=seg.heatmap.astype(np.float32, copy=False),
+            labels=None if seg.labels is None else seg.labels.astype(np.int32),
+            foreground=None if seg.foreground is None else seg.foreground.astype(bool, copy=False),
+            **kwargs,
+        )
+
+    def segmentation(self) -> Segmentation:
+        """Back to the command's :class:`~segment.outputs.Segmentation` (for the writers)."""
+        return Segmentation(heatmap=self.heatmap, mask=self.mask,
+                            labels=None if self.labels is None else self.labels.astype(np.int64),
+                            foreground=self.foreground)
+
+    def show(self, alpha: float = 0.6) -> Image.Image:
+        """The overlay as a PIL image (shown inline by Jupyter); see :func:`show`."""
+        return show(self, alpha=alpha)
+
+    def _repr_png_(self) -> bytes:  # Jupyter: a bare ``res`` in a cell shows the overlay
+        import io
+
+        buf = io.BytesIO()
+        self.show().save(buf, format="PNG")
+        return buf.getvalue()
+
+
+def show(result: Result, image: ImageLike | None = None, alpha: float = 0.6) -> Image.Image:
+    """The result drawn on its image, as the command's ``overlays/*.jpg``: a PIL image.
+
+    Binary methods darken the background and outline the mask in green; region methods
+    tint each region and outline the foreground in white.
+
+    Args:
+        result: from :class:`Segmenter`.
+        image: the image, when the result does not carry it.
+        alpha: overlay strength in ``[0, 1]``.
+    """
+    im = to_image(image) if image is not None else result.image
+    if im is None:
+        raise ValueError("this result carries no image; pass it: show(result, image)")
+    rgb = np.asarray(im)
+    if rgb.shape[:2] != result.size:
+        raise ValueError(f"image is {rgb.shape[1]}x{rgb.shape[0]} but the result is "
+                         f"{result.size[1]}x{result.size[0]}")
+    RenderOptions(overlay_alpha=alpha)  # validates alpha
+    return Image.fromarray(overlay(rgb, result.segmentation(), alpha))
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def to_image(x: ImageLike, *, max_pixels: int | None = None) -> Image.Image:
+    """One input -> 8-bit RGB PIL image, as the command reads files.
+
+    Accepts a path (read like the command reads it: EXIF orientation, any mode to RGB), a
+    PIL image (any mode; converted like a file), an ``(H, W, 3)`` uint8 array, or a
+    ``(3, H, W)`` float tensor in ``[0, 1]`` (rounded to 8 bit, as a saved image would be).
+
+    Raises:
+        ValueError: for anything else (says what came), or a tensor out of range.
+        ImageReadError: for a file that cannot be used (names the file).
+    """
+    if isinstance(x, (str, os.PathLike)):
+        return read_image(x, max_pixels=max_pixels).image
+    if isinstance(x, Image.Image):
+        return to_rgb(x)
+    if isinstance(x, np.ndarray):
+        if x.ndim != 3 or x.shape[2] != 3 or x.dtype != np.uint8:
+            raise ValueError(f"a numpy image must be (H, W, 3) uint8 RGB, got {x.shape} {x.dtype}")
+        return Image.fromarray(np.ascontiguousarray(x), mode="RGB")
+    if isinstance(x, Tensor):
+        if x.dim() != 3 or x.shape[0] != 3 or not x.is_floating_point():
+            raise ValueError(f"a tensor image must be (3, H, W) float in [0, 1], got "
+                             f"{tuple(x.shape)} {x.dtype}")
+        t = x.detach().float().cpu()
+        if not torch.isfinite(t).all() or t.min() < 0 or t.max() > 1:
+            raise ValueError(f"a tensor image must hold values in [0, 1], got "
+                             f"[{t.min().item():.3g}, {t.max().item():.3g}]")
+        a = (t * 255.0).round().to(torch.uint8).permute(1, 2, 0).contiguous().numpy()
+        return Image.fromarray(a, mode="RGB")
+    raise ValueError(f"cannot segment a {type(x).__name__}: pass a path, a PIL image, an (H, W, 3) "
+                     "uint8 array, a (3, H, W) float tensor in [0, 1], or a list of these")
+
+
+def _record_item(record: AttentionRecord, i: int) -> AttentionRecord:
+    """Image ``i`` of a batch record, as a batch of one (views, on the CPU)."""
+    b = record.batch_size
+
+    def one(d: dict) -> dict:
+        return {k: (v[i : i + 1].cpu() if v.dim() and v.shape[0] == b else v.cpu()) for k, v in d.items()}
+
+    return replace(
+        record, attn=one(record.attn), keys=one(record.keys), head_weights=one(record.head_weights),
+        extras=one(record.extras), query=None if record.query is None else [record.query[i]],
+        pixels=None if record.pixels is None else record.pixels[i : i + 1].cpu(),
+    )
+
+
+# --------------------------------------------------------------------------- the segmenter
+
+
+@dataclass
+class Batch:
+    """What :meth:`Segmenter.forward` returns for a batch.
+
+    Attributes:
+        out: the method's output on the CPU (``heatmap (B, h, w)``, labels, foreground).
+        record: the attention record of the batch.
+    """
+
+    out: MethodOutput
+    record: AttentionRecord
+
+
+class Segmenter:
+    """A backbone and a method, ready to segment images (build with :func:`load`).
+
+    Args:
+        backbone: a :class:`segment.models.base.Backbone`.
+        method: a method of :mod:`segment.methods` (anything with ``capture`` and ``__call__``).
+        batch_size: images per forward pass when called on a list.
+        max_pixels: refuse image files with more pixels (``None`` = Pillow's limit).
+        config: the composed config it was built from, when built from one.
+    """
+
+    def __init__(self, backbone: Any, method: Any, *, batch_size: int = 8,
+                 max_pixels: int | None = None, config: DictConfig | None = None) -> None:
+        if int(batch_size) < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.backbone = backbone
+        self.method = method
+        self.batch_size = int(batch_size)
+        self.max_pixels = max_pixels
+        self.config = config
+        self.capture = method.capture(backbone.num_layers)
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig, *, backbone: Any = None, method: Any = None) -> Segmenter:
+        """Build from a composed config (``model``, ``method``, ``batch_size``, ``max_pixels``);
+        an already built ``backbone`` / ``method`` is used as it is."""
+        from hydra.utils import instantiate
+
+        if backbone is None:
+            backbone = instantiate(cfg.model)
+        if method is None:
+            method = instantiate(cfg.method)
+        return cls(backbone, method, batch_size=int(cfg.get("batch_size") or 8),
+                   max_pixels=cfg.get("max_pixels"), config=cfg)
+
+    @property
+    def name(self) -> str:
+        return f"{getattr(self.backbone, 'name', '?')}/{getattr(self.method, 'name', type(self.method).__name__)}"
+
+    def __repr__(self) -> str:
+        return f"Segmenter({self.name}, device={getattr(self.backbone, 'device', '?')})"
+
+    # the three stages the command runs (in its threads)
+
+    def preprocess(self, image: Image.Image) -> Tensor:
+        """RGB image -> ``(3, H', W')`` backbone input."""
+        return self.backbone.preprocess(image)
+
+    def forward(self, pixels: Tensor | Sequence[Tensor]) -> Batch:
+        """Preprocessed ``(B, 3, H', W')`` (or a list of ``(3, H', W')`` of one size) ->
+        the method's output on the grid (on the CPU) and the attention record."""
+        if not isinstance(pixels, Tensor):
+            pixels = torch.stack(list(pixels))
+        with torch.no_grad():
+            record = self.backbone.extract(pixels, self.capture)
+            out = self.method(record)
+        return Batch(
+            out=MethodOutput(
+                heatmap=out.heatmap.detach().float().cpu(),
+                labels=None if out.labels is None else out.labels.detach().cpu(),
+                foreground=None if out.foreground is None else out.foreground.detach().cpu(),
+            ),
+            record=record,
+        )
+
+    @staticmethod
+    def postprocess(out: MethodOutput, index: int, size: tuple[int, int]) -> Segmentation:
+        """Image ``index`` of a batch at its size ``(H, W)``: protocol §3 (bilinear
+        upsampling, min-max, threshold at the mean; union of foreground regions)."""
+        return postprocess(out, index, size)
+
+    # the API
+
+    def __call__(self, images: ImageLike | Sequence[ImageLike], *, keep_record: bool = True
+                 ) -> Result | list[Result]:
+        """Segment one image (-> :class:`Result`) or a list (-> list, in order).
+
+        Lists run in batches of ``batch_size`` in the given order, as the command batches
+        a folder, so results equal the command's files.
+
+        Args:
+            images: a path, PIL image, ``(H, W, 3)`` uint8 array, ``(3, H, W)`` float tensor
+                in ``[0, 1]``, or a list/tuple of these.
+            keep_record: attach each image's attention record to its result.
+        """
+        single = not isinstance(images, (list, tuple))
+        items = [images] if single else list(images)
+        pil = []
+        for k, x in enumerate(items):
+            try:
+                pil.append(to_image(x, max_pixels=self.max_pixels))
+            except ValueError as e:
+                raise ValueError(f"image {k}: {e}" if not single else str(e)) from None
+        results: list[Result] = []
+        pending: list[tuple[Image.Image, Tensor]] = []
+
+        def flush() -> None:
+            if not pending:
+                return
+            batch = self.forward([p for _, p in pending])
+            for i, (im, _) in enumerate(pending):
+                seg = self.postprocess(batch.out, i, (im.height, im.width))
+                rec = _record_item(batch.record, i) if keep_record else None
+                results.append(Result.from_segmentation(seg, record=rec, image=im))
+            pending.clear()
+
+        for im in pil:
+            px = self.preprocess(im)
+            if pending and tuple(pending[0][1].shape) != tuple(px.shape):
+                flush()  # a batch holds one preprocessed size
+            pending.append((im, px))
+            if len(pending) >= self.batch_size:
+                flush()
+        flush()
+        return results[0] if single else results
+
+
+def load(
+    model: str = "dinov2_vits14",
+    method: str = "regions",
+    checkpoint: str | os.PathLike | None = None,
+    device: str = "auto",
+    **overrides: Any,
+) -> Segmenter:
+    """A ready :class:`Segmenter` for the command's ``model=`` and ``method=`` configs.
+
+    Args:
+        model: a ``configs/model`` name (``dinov2_vits14``, ``dinov2_vitb14_reg4``...).
+        method: a ``configs/method`` name (``regions``, ``bounce``, ``cls_attention``...).
+        checkpoint: local weights (``model.checkpoint``); ``None`` = the hub or its cache.
+        device: ``auto``, ``cpu``, ``cuda``, ``cuda:N``.
+        **overrides: keys of the model or method config (``image_size=448``, ``steps=3``),
+            ``batch_size``, ``max_pixels``; dotted keys via ``**{"method.steps": 3}``.
+
+    Raises:
+        ValueError: unknown model / method / key (with a suggestion) or a bad value.
+        RuntimeError: pretrained weights neither cached nor downloadable (names
+            ``checkpoint=PATH`` and the cache folder).
+    """
+    cfg = compose_config(model, method, checkpoint=checkpoint, device=device, **overrides)
+    try:
+        return Segmenter.from_config(cfg)
+    except Exception as e:  # Hydra wraps constructor errors; give the user the real one
+        cause = e
+        while type(cause).__name__ == "InstantiationException" and cause.__cause__ is not None:
+            cause = cause.__cause__
+        if cause is not e:
+            raise cause from None
+        raise
+

@@ -1,0 +1,361 @@
+"""The front door of ``segment`` and ``segment-eval``: what happens before and after Hydra.
+
+Hydra alone turns a typo into exit 1 (``batchsize=4``) or silently ignores it
+(``+batchsize=4``), creates the run folder before the job can say the input is unusable,
+and prints a traceback of its log handler when the output cannot be written. So
+:func:`run_command`, around the ``@hydra.main`` function:
+
+1. checks the command line against the composed config: unknown keys (with or without
+   ``+``/``++``, or a ``~`` deletion) and unknown config-group options exit 2 with a
+   did-you-mean; groups the command does not use (``segment dataset=...``) exit 2;
+2. checks that the output folder can be created and written (not a file, not under a
+   file, not read-only): exit 2 with one line naming it;
+3. runs Hydra; the job's exit code comes back through ``SystemExit`` (Hydra drops return
+   values); Ctrl-C anywhere is 130;
+4. after exit 2 (the run could not start), removes the run folder when this run created
+   it and it holds only Hydra's own files (``.hydra/``, ``*.log``) and empty folders, and the empty parent
+   folders it created (``outputs/eval/DATE/TIME``): nothing is left behind.
+
+It also provides the ``--help`` text (``hydra.help.template`` in ``configs/segment.yaml``
+and ``configs/eval.yaml`` interpolates ``${segment_help:COMMAND}``).
+
+Exit codes (:mod:`segment.utils`): 0 done, 1 nothing could be processed, 2 unusable input
+or settings, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import shutil
+import sys
+import tempfile
+import textwrap
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+EXIT_BAD_INPUT = 2  # = segment.utils.EXIT_BAD_INPUT (not imported: that module loads torch)
+EXIT_INTERRUPTED = 130
+
+CONFIG_MODULE = "segment.configs"
+
+# keys under which new entries may be added with `+`: free-form argument dicts
+_OPEN_NODES = ("model.model_kwargs", "methods")
+
+
+class UsageError(ValueError):
+    """The command line cannot start a run (one line, printed without a traceback)."""
+
+
+@dataclass
+class Plan:
+    """What the pre-check learnt: the output folder and what existed before the run."""
+
+    output: Path | None = None
+    output_existed: bool = True
+    anchor: Path | None = None  # deepest ancestor of output that existed before the run
+
+
+_RUN_DIR: list[str] = []  # the run folder Hydra made, recorded by the job (see note_run_dir)
+
+
+def note_run_dir() -> None:
+    """Called inside the ``@hydra.main`` job: remember Hydra's run folder for the cleanup."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        _RUN_DIR.append(HydraConfig.get().runtime.output_dir)
+    except ValueError:
+        pass
+
+
+# --------------------------------------------------------------------------- names
+
+
+def config_names(group: str) -> list[str]:
+    """The options of a config group (``model``, ``method``, ``dataset``, ``experiment``)."""
+    from importlib import resources
+
+    root = resources.files(CONFIG_MODULE) / group
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def suggest(word: str, candidates: Sequence[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest candidate, or an empty string."""
+    cands = list(dict.fromkeys(candidates))
+    got = difflib.get_close_matches(word, cands, n=1, cutoff=0.6)
+    if not got:  # compare the last component of dotted keys too (model.checkpont)
+        tail: dict[str, str] = {}
+        for c in cands:
+            tail.setdefault(c.rsplit(".", 1)[-1], c)
+        hit = difflib.get_close_matches(word.rsplit(".", 1)[-1], list(tail), n=1, cutoff=0.75)
+        got = [tail[hit[0]]] if hit else []
+    return f" (did you mean {got[0]!r}?)" if got else ""
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _flatten_keys(node: Any, prefix: str = "") -> list[str]:
+    out = []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            key = f"{prefix}{k}"
+            out.append(key)
+            out.extend(_flatten_keys(v, key + "."))
+    return out
+
+
+def _exists(tree: Any, key: str) -> bool:
+    node = tree
+    for part in key.split("."):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False
+    return True
+
+
+def _compose(config_name: str, overrides: Sequence[str]) -> Any:
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+        return compose(config_name, overrides=list(overrides))
+
+
+def check_overrides(command: str, config_name: str, args: Sequence[str], groups: Sequence[str]) -> Any:
+    """Validate ``KEY=VALUE`` arguments; returns the composed config.
+
+    Raises:
+        UsageError: unparsable argument, unknown group option, group the command does not
+            use, or unknown key (each with a suggestion where one is close).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        overrides = OverridesParser.create().parse_overrides(list(args))
+    except HydraException as e:
+        raise UsageError(f"cannot parse the arguments: {str(e).strip().splitlines()[0]}") from None
+    all_groups = ("model", "method", "dataset", "experiment")
+    choices = []
+    for o in overrides:
+        key = o.key_or_group
+        if o.is_hydra_override():
+            continue
+        if key in all_groups and o.package is None and not o.is_delete():
+            if key not in groups:
+                raise UsageError(f"{command} has no {key!r} settings (its config groups: "
+                                 f"{', '.join(groups)})")
+            value = o.value()
+            if not isinstance(value, str):
+                raise UsageError(f"{key}= takes one name of configs/{key}, got {value!r}")
+            names = config_names(key)
+            if value not in names:
+                raise UsageError(f"unknown {key} {value!r}{suggest(value, names)}; choose one of: {', '.join(names)}")
+            choices.append(o.input_line.lstrip("+"))
+    try:
+        base = _compose(config_name, choices)
+    except Exception as e:  # noqa: BLE001 - a broken experiment file etc.: one line
+        raise UsageError(f"cannot compose the config: {str(e).strip().splitlines()[0]}") from None
+    tree = OmegaConf.to_container(base, resolve=False)
+    known = [k for k in _flatten_keys(tree) if not k.endswith("_target_")]
+    for o in overrides:
+        key = o.key_or_group
+        if o.is_hydra_override() or (key in all_groups and o.package is None and not o.is_delete()):
+            continue
+        if _exists(tree, key):
+            continue
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        if any(parent == n or parent.startswith(n + ".") or key.startswith(n + ".") for n in _OPEN_NODES) and (
+            _exists(tree, parent) or key.split(".")[0] == "methods"
+        ):
+            continue
+        what = "unknown setting" if not o.is_delete() else "cannot delete unknown setting"
+        raise UsageError(f"{what} {key!r}{suggest(key, known)}; see {command} --help "
+                         f"(and `{command} --cfg job` for every key)")
+    try:
+        return _compose(config_name, [o.input_line for o in overrides])
+    except Exception as e:  # noqa: BLE001
+        raise UsageError(f"bad settings: {str(e).strip().splitlines()[0]}") from None
+
+
+def check_output(output: str | os.PathLike) -> Plan:
+    """The output folder must be creatable and writable; returns what existed before.
+
+    Raises:
+        UsageError: naming the folder and the problem.
+    """
+    out = Path(output).expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"output {str(out)!r} is a file, not a folder; choose another output=")
+    anchor = out
+    while not anchor.exists():
+        anchor = anchor.parent
+    if not anchor.is_dir():
+        raise UsageError(f"output {str(out)!r} cannot be created: {str(anchor)!r} is a file")
+    try:  # a real attempt: permissions, read-only mounts, ACLs
+        probe = tempfile.mkdtemp(prefix=".segment-write-test-", dir=anchor)
+        os.rmdir(probe)
+    except OSError as e:
+        what = "is not writable" if out == anchor else f"cannot be created: {str(anchor)!r} is not writable"
+        raise UsageError(f"output {str(out)!r} {what} ({e.strerror or e}); choose another output=") from None
+    return Plan(output=out, output_existed=out.exists(), anchor=anchor)
+
+
+# --------------------------------------------------------------------------- cleanup
+
+
+def _no_files(folder: Path) -> bool:
+    return all(p.is_dir() and not p.is_symlink() and _no_files(p) for p in folder.iterdir())
+
+
+def _only_hydra_files(folder: Path) -> bool:
+    """Only Hydra's ``.hydra/`` and ``*.log``, and folders without files (an empty cache)."""
+    for p in folder.iterdir():
+        if p.name == ".hydra" and p.is_dir():
+            continue
+        if p.suffix == ".log" and p.is_file():
+            continue
+        if p.is_dir() and not p.is_symlink() and _no_files(p):
+            continue
+        return False
+    return True
+
+
+def cleanup(plan: Plan) -> None:
+    """Remove a run folder this run created that holds only Hydra's files, and the empty
+    parents it created (never anything that existed before the run)."""
+    if plan.output is None or plan.anchor is None:
+        return
+    run_dir = Path(_RUN_DIR[-1]).absolute() if _RUN_DIR else plan.output
+    existed = plan.output_existed and run_dir == plan.output
+    if existed or not run_dir.is_dir() or not _only_hydra_files(run_dir):
+        return
+    try:
+        run_dir.relative_to(plan.anchor)
+    except ValueError:
+        return
+    import logging
+
+    logging.shutdown()  # Hydra's file handler holds <job>.log open
+    shutil.rmtree(run_dir, ignore_errors=True)
+    parent = run_dir.parent
+    while parent != plan.anchor and plan.anchor in parent.parents:
+        try:
+            parent.rmdir()  # only when empty
+        except OSError:
+            break
+        parent = parent.parent
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def run_command(command: str, config_name: str, hydra_main: Callable[[], Any], groups: Sequence[str],
+                argv: Sequence[str] | None = None) -> int:
+    """Pre-check, run the ``@hydra.main`` function, map its outcome to an exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    plan = Plan()
+    flags = [a for a in args if a.startswith("-") and not a.startswith("~")]
+    try:
+        if not flags:  # --help, --cfg, -m ...: Hydra's own business
+            cfg = check_overrides(command, config_name, args, groups)
+            if cfg.get("output"):
+                plan = check_output(str(cfg.output))
+    except UsageError as e:
+        print(f"{command}: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    try:
+        hydra_main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except KeyboardInterrupt:
+        code = EXIT_INTERRUPTED
+    if code == EXIT_BAD_INPUT:
+        cleanup(plan)
+    return code
+
+
+# --------------------------------------------------------------------------- --help
+
+
+_HELP = {
+    "segment": dict(
+        what="segment every image of a folder: masks, heatmaps, overlays, region labels, COCO "
+             "annotations and an index.html gallery (attention read as Markov chains)",
+        usage="segment [input=DIR|FILE] [output=DIR] [model=NAME] [method=NAME] [KEY=VALUE ...]",
+        examples=[
+            ("segment output=results/ model.checkpoint=/path/dinov2_vits14.safetensors",
+             "offline: local weights, the bundled example photos"),
+            ("segment input=photos/ output=results/", "weights from the Hugging Face hub (cached)"),
+            ("segment input=photos/ output=results/ model=dinov2_vitb14_reg4 device=cuda batch_size=32", ""),
+        ],
+        required=[
+            ("input=DIR", "a folder (read recursively) or one image; default: the bundled examples"),
+            ("output=DIR", "the results folder; default: outputs/segment (a rerun resumes)"),
+            ("model.checkpoint=PATH", "offline machines: local weights (.safetensors / torch state dict)"),
+        ],
+        settings="device=auto|cpu|cuda  batch_size=8  overwrite=false  num_workers  max_pixels  min_size\n"
+                 "  progress=true  render.{colormap,overlay_alpha,jpeg_quality,png_compression,thumb_size,fsync}",
+    ),
+    "segment-eval": dict(
+        what="score segmentation methods on a benchmark (pixAcc, mIoU, mIoU_CA, mAP) from one "
+             "backbone pass per batch",
+        usage="segment-eval dataset=NAME dataset.root=PATH [model=NAME] [method=NAME] "
+              "[experiment=NAME] [KEY=VALUE ...]",
+        examples=[
+            ("segment-eval dataset=folder dataset.root=/data/ECSSD model.checkpoint=/path/dinov2_vits14.safetensors",
+             "offline: local weights"),
+            ("segment-eval experiment=vit_imagenet_seg dataset.root=/data/gtsegs_ijcv.mat", "the ViT rows of a table"),
+            ("segment-eval dataset.root=/data/ECSSD 'methods=[rollout,tokenrank]' limit=50 output=eval_out/", ""),
+        ],
+        required=[
+            ("dataset.root=PATH", "the data set (required)"),
+            ("output=DIR", "results folder (default outputs/eval/DATE/TIME); the same output= resumes"),
+            ("model.checkpoint=PATH", "offline machines: local weights"),
+        ],
+        settings="methods=[...]  include_default=true  device=auto  batch_size=8  num_workers=0  limit=N\n"
+                 "  mask_at=image|grid  cache=true  panels=4  progress=true  seed=0",
+    ),
+}
+
+
+def help_text(command: str) -> str:
+    """The ``--help`` text of a command (groups listed from the installed configs)."""
+    h = _HELP[command]
+    groups = ("model", "method") if command == "segment" else ("model", "method", "dataset", "experiment")
+    lines = [textwrap.fill(f"{command}: {h['what']}.", width=96), "", "Usage:", f"  {h['usage']}", "", "Examples:"]
+    for cmd, note in h["examples"]:
+        lines.append(f"  {cmd}" + (f"\n      # {note}" if note else ""))
+    lines += ["", "Required keys and the usual ones:"]
+    lines += [f"  {k:<22} {v}" for k, v in h["required"]]
+    lines += ["", "Config groups (GROUP=NAME):"]
+    for g in groups:
+        lines.append(textwrap.fill(", ".join(config_names(g)), width=96, initial_indent=f"  {g:<11} ",
+                                   subsequent_indent=" " * 14, break_on_hyphens=False))
+    lines += ["", "Settings (KEY=VALUE):", f"  {h['settings']}",
+              "  model.KEY / method.KEY: the keys of the chosen configs; list them with",
+              f"  `{command} [model=NAME] [method=NAME] --cfg job`",
+              "", "Exit codes: 0 done, 1 nothing could be processed, 2 unusable input or settings, "
+              "130 interrupted.",
+              "Python: import segment; seg = segment.load(model=..., method=...); seg(image)",
+              "Hydra's own options: --hydra-help"]
+    return "\n".join(lines).replace("$", "$$")
+
+
+def register_help_resolver() -> None:
+    """``${segment_help:COMMAND}`` for ``hydra.help.template``."""
+    if not OmegaConf.has_resolver("segment_help"):
+        OmegaConf.register_new_resolver("segment_help", help_text)

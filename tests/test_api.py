@@ -1,0 +1,240 @@
+"""The Python API (segment.api): load, Segmenter, Result, show; and that the `segment`
+command computes through the same object (masks bit-identical)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import segment
+from segment.api import Result, Segmenter, compose_config, to_image
+from segment.io import read_image
+
+REPO = Path(__file__).resolve().parents[1]
+SEGMENT = Path(sys.executable).with_name("segment")
+
+
+def _img(h: int, w: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    a = np.full((h, w, 3), 40, np.uint8)
+    a[h // 4 : 3 * h // 4, w // 4 : 3 * w // 4] = rng.integers(150, 255, 3)
+    a += rng.integers(0, 20, a.shape, dtype=np.uint8)
+    return Image.fromarray(a)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """Weights of the tiny random ViT in a file, so that two processes use the same ones."""
+    import timm
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    m = timm.create_model("vit_small_patch14_dinov2", pretrained=False, num_classes=0,
+                          embed_dim=64, depth=2, num_heads=2)
+    p = tmp_path_factory.mktemp("ckpt") / "tiny.safetensors"
+    save_file({k: v.contiguous() for k, v in m.state_dict().items()}, str(p))
+    return p
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def test_overrides_are_routed_and_checked():
+    cfg = compose_config("vit_tiny_random", "regions", image_size=112, steps=3, batch_size=2)
+    assert cfg.model.image_size == 112 and cfg.method.steps == 3 and cfg.batch_size == 2
+    cfg = compose_config("vit_tiny_random", "bounce", checkpoint="~/w.pt", **{"method.name": "b3"})
+    assert cfg.method.name == "b3" and cfg.model.checkpoint == str(Path("~/w.pt").expanduser())
+    with pytest.raises(ValueError, match=r"unknown setting 'batchsize' \(did you mean 'batch_size'\?\)"):
+        compose_config("vit_tiny_random", batchsize=4)
+    with pytest.raises(ValueError, match=r"did you mean 'checkpoint'"):
+        compose_config("vit_tiny_random", checkpont="x")
+    with pytest.raises(ValueError, match=r"did you mean 'method.steps'"):
+        compose_config("vit_tiny_random", **{"method.stpes": 3})
+    with pytest.raises(ValueError, match=r"unknown model 'dinov2_vits41' \(did you mean 'dinov2_vits14'\?\)"):
+        compose_config("dinov2_vits41")
+    with pytest.raises(ValueError, match=r"unknown method 'regoins' \(did you mean 'regions'\?\)"):
+        compose_config("vit_tiny_random", "regoins")
+    with pytest.raises(ValueError, match="both the model and the method"):
+        compose_config("vit_tiny_random", name="x")  # `name` is a key of both configs
+
+
+def test_load_builds_what_the_overrides_say():
+    seg = segment.load("vit_tiny_random", "bounce", device="cpu", image_size=56, steps=3)
+    assert isinstance(seg, Segmenter)
+    assert seg.backbone.image_size == (56, 56) and seg.method.steps == 3
+    assert str(seg.backbone.device) == "cpu"
+    with pytest.raises(ValueError, match="multiple of the patch size"):  # the constructor's own error
+        segment.load("vit_tiny_random", device="cpu", image_size=50)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def test_every_input_form_gives_the_same_result(tmp_path):
+    seg = segment.load("vit_tiny_random", device="cpu", image_size=56)
+    im = _img(37, 51, 0)
+    path = tmp_path / "a.png"
+    im.save(path)
+    arr = np.array(im)
+    forms = [str(path), path, im, im.convert("RGBA"), arr, torch.from_numpy(arr).permute(2, 0, 1).float() / 255]
+    results = [seg(x) for x in forms]
+    ref = results[0]
+    assert isinstance(ref, Result) and ref.size == (37, 51)
+    assert ref.mask.dtype == bool and ref.mask.shape == (37, 51)
+    assert ref.heatmap.dtype == np.float32 and ref.heatmap.shape == (37, 51)
+    assert 0.0 <= ref.heatmap.min() and ref.heatmap.max() <= 1.0
+    assert ref.labels.dtype == np.int32 and ref.labels.shape == (37, 51)
+    assert ref.foreground.dtype == bool and ref.labels.max() < len(ref.foreground)
+    np.testing.assert_array_equal(ref.mask, ref.foreground[ref.labels])  # union of fg regions
+    assert ref.record.batch_size == 1 and ref.record.layout.grid == (4, 4)
+    for r in results[1:]:
+        np.testing.assert_array_equal(r.mask, ref.mask)
+        np.testing.assert_array_equal(r.heatmap, ref.heatmap)
+        np.testing.assert_array_equal(r.labels, ref.labels)
+    # a list is a batch: same results, in order, whatever the image sizes
+    many = seg([im, _img(20, 30, 1), arr, _img(60, 40, 2)])
+    assert [r.size for r in many] == [(37, 51), (20, 30), (37, 51), (60, 40)]
+    np.testing.assert_array_equal(many[2].mask, ref.mask)
+    for r, single in zip(many, [seg(x) for x in [im, _img(20, 30, 1), arr, _img(60, 40, 2)]]):
+        np.testing.assert_array_equal(r.mask, single.mask)
+
+
+def test_bad_inputs_say_what_came(tmp_path):
+    seg = segment.load("vit_tiny_random", "cls_attention", device="cpu", image_size=56)
+    with pytest.raises(ValueError, match=r"\(H, W, 3\) uint8"):
+        seg(np.zeros((10, 10), np.uint8))
+    with pytest.raises(ValueError, match=r"values in \[0, 1\]"):
+        seg(torch.full((3, 8, 8), 2.0))
+    with pytest.raises(ValueError, match=r"\(3, H, W\) float"):
+        seg(torch.zeros(8, 8, 3))
+    with pytest.raises(ValueError, match="image 1: cannot segment a dict"):
+        seg([_img(20, 20, 0), {}])
+    (tmp_path / "bad.png").write_text("nope")
+    with pytest.raises(Exception, match="bad.png: not a readable image"):
+        seg(tmp_path / "bad.png")
+    r = seg(_img(30, 20, 0))
+    assert r.labels is None and r.foreground is None and r.mask.shape == (30, 20)
+
+
+def test_show_draws_the_overlay():
+    seg = segment.load("vit_tiny_random", device="cpu", image_size=56)
+    im = _img(40, 60, 3)
+    r = seg(im)
+    ov = segment.show(r)
+    assert isinstance(ov, Image.Image) and ov.size == (60, 40) and ov.mode == "RGB"
+    a, o = np.asarray(im).astype(int), np.asarray(ov).astype(int)
+    assert np.abs(a - o).mean() > 5  # tinted
+    assert r._repr_png_()[:4] == b"\x89PNG"
+    r2 = Result(mask=r.mask, heatmap=r.heatmap, labels=r.labels, foreground=r.foreground)
+    with pytest.raises(ValueError, match="carries no image"):
+        segment.show(r2)
+    np.testing.assert_array_equal(np.asarray(segment.show(r2, im)), np.asarray(ov))
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def test_pipeline_computes_through_the_segmenter(tmp_path, monkeypatch):
+    """run_segment's batches go through Segmenter.forward/postprocess (one code path)."""
+    from hydra import compose, initialize_config_module
+
+    from segment.pipeline import run_segment
+
+    calls = {"forward": 0, "post": 0}
+    fwd, post = Segmenter.forward, Segmenter.postprocess
+
+    def forward(self, pixels):
+        calls["forward"] += 1
+        return fwd(self, pixels)
+
+    def postprocess(out, index, size):
+        calls["post"] += 1
+        return post(out, index, size)
+
+    monkeypatch.setattr(Segmenter, "forward", forward)
+    monkeypatch.setattr(Segmenter, "postprocess", staticmethod(postprocess))
+    src = tmp_path / "in"
+    src.mkdir()
+    for i in range(5):
+        _img(30 + i, 40, i).save(src / f"{i}.png")
+    with initialize_config_module(version_base="1.3", config_module="segment.configs"):
+        cfg = compose("segment", overrides=[f"input={src}", f"output={tmp_path / 'o'}", "model=vit_tiny_random",
+                                            "device=cpu", "batch_size=2", "progress=false", "render.fsync=false"])
+    assert run_segment(cfg) == 0
+    assert calls == {"forward": 3, "post": 5}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    return subprocess.run([str(SEGMENT), *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def _assert_same_as_files(results: list[Result], out: Path, names: list[str]) -> None:
+    for r, n in zip(results, names):
+        m = np.asarray(Image.open(out / "masks" / f"{n}.png")) > 0
+        np.testing.assert_array_equal(r.mask, m, err_msg=n)
+        h = np.asarray(Image.open(out / "heatmaps" / f"{n}.png"))  # index = round(255 R)
+        np.testing.assert_array_equal(np.clip(np.rint(r.heatmap * 255), 0, 255).astype(np.uint8), h, err_msg=n)
+        if r.labels is not None:
+            np.testing.assert_array_equal(r.labels, np.asarray(Image.open(out / "labels" / f"{n}.png")), err_msg=n)
+
+
+def test_api_masks_equal_cli_masks(tmp_path, tiny_checkpoint):
+    """The command (a subprocess) and the API, same weights and settings: identical files."""
+    src, out = tmp_path / "in", tmp_path / "out"
+    src.mkdir()
+    sizes = [(40, 60), (50, 30), (33, 47), (64, 64), (45, 45)]
+    for i, (h, w) in enumerate(sizes):
+        _img(h, w, 10 + i).save(src / f"{i}.png")
+    _img(44, 52, 20).convert("L").save(src / "5.png")  # a grey file: read the same way
+    r = _cli(f"input={src}", f"output={out}", "model=vit_tiny_random", f"model.checkpoint={tiny_checkpoint}",
+             "model.image_size=112", "device=cpu", "batch_size=4", "progress=false", "render.fsync=false")
+    assert r.returncode == 0, r.stderr
+    seg = segment.load("vit_tiny_random", checkpoint=tiny_checkpoint, device="cpu", image_size=112, batch_size=4)
+    names = [f"{i}" for i in range(6)]
+    results = seg([src / f"{n}.png" for n in names])
+    assert any(res.mask.any() and not res.mask.all() for res in results)
+    _assert_same_as_files(results, out, names)
+
+
+def test_api_masks_equal_cli_masks_dinov2(tmp_path, dinov2_weights):
+    """Real weights, the default method, the bundled examples (the README's first command)."""
+    out = tmp_path / "out"
+    r = _cli(f"output={out}", f"model.checkpoint={dinov2_weights}", "device=cpu", "progress=false")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == f"gallery: {out / 'index.html'}"
+    seg = segment.load(checkpoint=dinov2_weights, device="cpu")
+    names = ["astronaut", "chelsea", "coffee"]
+    root = REPO / "datasets" / "examples"
+    results = seg([root / f"{n}.png" for n in names])
+    _assert_same_as_files(results, out, names)
+    for res in results:
+        assert 0.05 < res.mask.mean() < 0.95
+
+
+def test_readme_snippet_runs(tmp_path, monkeypatch, dinov2_weights):
+    """The first ```python block of the README, run as written in a folder with photo.jpg;
+    `segment.load` gets the shared weights as its checkpoint default (no network here)."""
+    text = (REPO / "README.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    assert "segment.load(" in snippet and "segment.show(" in snippet
+    src = read_image(REPO / "datasets" / "examples" / "chelsea.png").image
+    src.save(tmp_path / "photo.jpg", quality=95)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(segment.api, "load", functools.partial(segment.api.load, checkpoint=dinov2_weights,
+                                                                device="cpu"))
+    ns: dict = {}
+    exec(compile(snippet, "README.md", "exec"), ns)
+    res = ns["res"]
+    assert res.mask.shape == (src.height, src.width)
+    assert Image.open(tmp_path / "overlay.jpg").size == src.size
+    np.testing.assert_array_equal(to_image(tmp_path / "photo.jpg").size, src.size)

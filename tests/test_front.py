@@ -1,0 +1,306 @@
+"""The front door of `segment` and `segment-eval` (segment.front), as subprocesses: exit
+codes, unknown keys with a suggestion, unwritable outputs in one line, nothing left behind
+when a run cannot start, the offline failure, --help."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from segment.front import config_names, help_text, suggest
+
+BIN = Path(sys.executable).parent
+TINY = ["model=vit_tiny_random", "device=cpu", "progress=false"]
+
+
+def run(cmd: str, *args: str, cwd: Path, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    e = dict(os.environ, OMP_NUM_THREADS="2")
+    e.pop("HYDRA_FULL_ERROR", None)
+    e.update(env or {})
+    return subprocess.run([str(BIN / cmd), *args], capture_output=True, text=True, timeout=timeout, env=e, cwd=cwd)
+
+
+def _one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    text = r.stdout + r.stderr
+    assert "Traceback" not in text, text
+    lines = [ln for ln in text.splitlines() if all(n in ln for n in needles)]
+    assert len(lines) == 1, (needles, text)
+    return lines[0]
+
+
+def _nothing_created(cwd: Path) -> None:
+    assert sorted(p.name for p in cwd.iterdir()) == [], sorted(cwd.rglob("*"))
+
+
+def _folder(root: Path, n: int, masks: bool = False) -> Path:
+    (root / "images").mkdir(parents=True)
+    if masks:
+        (root / "masks").mkdir()
+    for i in range(n):
+        a = np.full((48, 56, 3), 30, np.uint8)
+        a[12:36, 14:42] = (200, 120 + i % 100, 60)
+        Image.fromarray(a).save(root / "images" / f"{i:03d}.png")
+        if masks:
+            m = np.zeros((48, 56), np.uint8)
+            m[12:36, 14:42] = 255
+            Image.fromarray(m).save(root / "masks" / f"{i:03d}.png")
+    return root
+
+
+# ----------------------------------------------------------------------------- suggestions
+
+
+def test_suggest():
+    keys = ["batch_size", "model.checkpoint", "model.image_size", "method.steps"]
+    assert suggest("batchsize", keys) == " (did you mean 'batch_size'?)"
+    assert suggest("model.checkpont", keys) == " (did you mean 'model.checkpoint'?)"
+    assert suggest("checkpont", keys) == " (did you mean 'model.checkpoint'?)"
+    assert suggest("zzz", keys) == ""
+
+
+@pytest.mark.parametrize("cmd", ["segment", "segment-eval"])
+@pytest.mark.parametrize("arg,key,hint", [
+    ("batchsize=4", "'batchsize'", "'batch_size'"),
+    ("+batchsize=4", "'batchsize'", "'batch_size'"),  # Hydra would add it and ignore it
+    ("++batchsize=4", "'batchsize'", "'batch_size'"),
+    ("model.checkpont=/w.pt", "'model.checkpont'", "'model.checkpoint'"),
+    ("+model.checkpont=/w.pt", "'model.checkpont'", "'model.checkpoint'"),
+    ("model=dinov2_vits41", "'dinov2_vits41'", "'dinov2_vits14'"),
+    ("method=regoins", "'regoins'", "'regions'"),
+])
+def test_unknown_keys_exit_2_with_a_suggestion(tmp_path, cmd, arg, key, hint):
+    extra = ["dataset.root=/nowhere"] if cmd == "segment-eval" else []
+    r = run(cmd, arg, *extra, cwd=tmp_path)
+    line = _one_line_error(r, key)
+    assert f"did you mean {hint}?" in line and line.startswith(f"{cmd}: ")
+    _nothing_created(tmp_path)
+
+
+def test_groups_a_command_does_not_use(tmp_path):
+    line = _one_line_error(run("segment", "dataset=folder", cwd=tmp_path), "dataset")
+    assert "model, method" in line
+    _one_line_error(run("segment", "experiment=vit_folder", cwd=tmp_path), "experiment")
+    line = _one_line_error(run("segment-eval", "dataset=foldr", cwd=tmp_path), "foldr")
+    assert "did you mean 'folder'" in line
+    _nothing_created(tmp_path)
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+@pytest.mark.parametrize("cmd", ["segment", "segment-eval"])
+def test_output_that_cannot_be_written(tmp_path, cmd):
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    extra = ["dataset.root=/nowhere"] if cmd == "segment-eval" else []
+    line = _one_line_error(run(cmd, f"output={f}", *extra, cwd=tmp_path), str(f))
+    assert "is a file, not a folder" in line
+    line = _one_line_error(run(cmd, f"output={f}/sub", *extra, cwd=tmp_path), str(f))
+    assert "cannot be created" in line and "is a file" in line
+    # a read-only place: a chmod 555 folder, or /sys for root (permissions do not stop root)
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        existing, new = ro, ro / "out"
+    else:
+        try:
+            os.rmdir(tempfile.mkdtemp(dir="/sys/fs"))
+            pytest.skip("/sys/fs is writable here: no read-only folder to test with as root")
+        except OSError:
+            existing, new = Path("/sys/fs"), Path("/sys/fs/segment-out")
+    line = _one_line_error(run(cmd, f"output={existing}", *extra, cwd=tmp_path), str(existing))
+    assert "is not writable" in line
+    line = _one_line_error(run(cmd, f"output={new}", *extra, cwd=tmp_path), str(new))
+    assert "cannot be created" in line and "not writable" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"] + (["ro"] if os.geteuid() else [])
+
+
+def test_segment_creates_nothing_when_it_cannot_start(tmp_path):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    r = run("segment", f"input={tmp_path / 'missing'}", *TINY, cwd=cwd)  # default output outputs/segment
+    assert r.returncode == 2 and "does not exist" in r.stdout + r.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = run("segment", f"input={empty}", f"output={cwd / 'res'}", *TINY, cwd=cwd)
+    assert r.returncode == 2 and "no images found" in r.stdout + r.stderr
+    _nothing_created(cwd)
+
+
+def test_segment_eval_exit_codes_and_no_stray_folders(tmp_path):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    r = run("segment-eval", *TINY, cwd=cwd)  # no dataset.root
+    assert r.returncode == 2 and "dataset.root" in r.stderr, r.stderr
+    r = run("segment-eval", *TINY, f"dataset.root={tmp_path / 'missing'}", cwd=cwd)
+    assert r.returncode == 2 and "no such folder" in r.stderr, r.stderr
+    _nothing_created(cwd)  # the default outputs/eval/DATE/TIME is gone again
+    data = _folder(tmp_path / "data", 3, masks=True)
+    r = run("segment-eval", *TINY, f"dataset.root={data}", "dataset.size=[48,56]", "model.image_size=56",
+            "panels=1", cwd=cwd)
+    assert r.returncode == 0, r.stderr
+    (res,) = list((cwd / "outputs" / "eval").glob("*/*/results.json"))
+    assert json.loads(res.read_text())[0]["images"] == 3
+
+
+def test_segment_eval_ctrl_c_exits_130(tmp_path):
+    data = _folder(tmp_path / "data", 150, masks=True)
+    out = tmp_path / "out"
+    e = dict(os.environ, OMP_NUM_THREADS="2")
+    proc = subprocess.Popen([str(BIN / "segment-eval"), *TINY, f"dataset.root={data}", "dataset.size=[48,56]",
+                             "model.image_size=56", "batch_size=2", "panels=0", f"output={out}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e, cwd=tmp_path)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        cache = list((out / "cache").glob("*/*.json")) if (out / "cache").is_dir() else []
+        if cache:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    log, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, log
+    assert "interrupted" in log and "Traceback" not in log
+
+
+def test_segment_ends_by_printing_the_gallery(tmp_path):
+    """Exit 0 and the gallery's path last; new keys under an open node (`+model.model_kwargs.X`,
+    a timm argument) are allowed and reach the model; exit 1 when nothing could be segmented."""
+    src = tmp_path / "in"
+    src.mkdir()
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(src / "a.png")
+    r = run("segment", f"input={src}", f"output={tmp_path / 'o'}", *TINY, "+model.model_kwargs.qkv_bias=false",
+            cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == f"gallery: {tmp_path / 'o' / 'index.html'}"
+    cfg = json.loads((tmp_path / "o" / "run.json").read_text())["config"]
+    assert cfg["model"]["model_kwargs"]["qkv_bias"] is False
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "x.png").write_text("no")
+    r = run("segment", f"input={bad}", f"output={tmp_path / 'o2'}", *TINY, cwd=tmp_path)
+    assert r.returncode == 1  # nothing could be segmented: the gallery lists why
+    assert (tmp_path / "o2" / "index.html").is_file()
+
+
+# ----------------------------------------------------------------------------- offline
+
+
+@pytest.mark.parametrize("how", ["HF_HUB_OFFLINE", "unreachable"])
+def test_offline_fails_fast_with_one_message(tmp_path, how):
+    """No cached weights, no hub: one line naming model.checkpoint=PATH and the cache,
+    within seconds (the hub client alone retries for about a minute), nothing left."""
+    env = {"HF_HOME": str(tmp_path / "hf"), "TORCH_HOME": str(tmp_path / "torch"), "HF_HUB_OFFLINE": "0",
+           "HF_ENDPOINT": "https://huggingface.co"}
+    if how == "HF_HUB_OFFLINE":
+        env["HF_HUB_OFFLINE"] = "1"
+    else:  # nothing listens on port 9 of this machine: connection refused at once
+        env["HF_ENDPOINT"] = "http://127.0.0.1:9"
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    t0 = time.perf_counter()
+    r = run("segment", "output=results/", "device=cpu", cwd=cwd, env=env)
+    elapsed = time.perf_counter() - t0
+    line = _one_line_error(r, "model.checkpoint=PATH")
+    assert str(tmp_path / "hf" / "hub") in line
+    assert ("HF_HUB_OFFLINE" in line) == (how == "HF_HUB_OFFLINE")
+    assert elapsed < 45, elapsed  # includes importing torch on a loaded 2-core machine
+    _nothing_created(cwd)
+    if how == "HF_HUB_OFFLINE":
+        return
+    data = _folder(tmp_path / "data", 2, masks=True)  # segment-eval: the same message, exit 2, no folder
+    r = run("segment-eval", f"dataset.root={data}", "device=cpu", cwd=cwd, env=env)
+    line = _one_line_error(r, "model.checkpoint=PATH")
+    assert line.startswith("segment-eval: cannot build the model") and str(tmp_path / "hf" / "hub") in line
+    _nothing_created(cwd)
+
+
+def test_cached_weights_need_no_network(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from segment.models.vit import check_pretrained_reachable
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(RuntimeError, match="model.checkpoint=PATH") as e:
+        check_pretrained_reachable("vit_small_patch14_dinov2.lvd142m", "dinov2_vits14")
+    assert f"not in the cache {tmp_path} " in str(e.value) and "HF_HUB_OFFLINE" in str(e.value)
+    repo = tmp_path / "models--timm--vit_small_patch14_dinov2.lvd142m"
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc")
+    (repo / "snapshots" / "abc" / "model.safetensors").write_bytes(b"x")
+    check_pretrained_reachable("vit_small_patch14_dinov2.lvd142m", "dinov2_vits14")  # cached: no error
+
+
+# ----------------------------------------------------------------------------- --help
+
+
+@pytest.mark.parametrize("cmd,groups,absent", [
+    ("segment", ("model", "method"), ("dataset", "experiment")),
+    ("segment-eval", ("model", "method", "dataset", "experiment"), ()),
+])
+def test_help(tmp_path, cmd, groups, absent):
+    r = run(cmd, "--help", cwd=tmp_path)
+    assert r.returncode == 0 and "powered by Hydra" not in r.stdout
+    text = r.stdout
+    assert text == help_text(cmd).replace("$$", "$") + "\n"
+    assert "Usage:" in text and f"  {cmd} " in text
+    examples = text.split("Examples:")[1].split("\n\n")[0]
+    assert sum(ln.startswith(f"  {cmd} ") for ln in examples.splitlines()) == 3
+    assert "model.checkpoint=PATH" in text and "Exit codes: 0" in text
+    if cmd == "segment-eval":
+        assert "dataset.root=PATH" in text and "(required)" in text
+    listed: dict[str, str] = {}
+    for ln in text.split("Config groups (GROUP=NAME):")[1].split("\n\n")[0].splitlines():
+        if not ln.strip():
+            continue
+        if ln.startswith("  ") and not ln.startswith("   "):
+            listed[ln.split()[0]] = ln
+        else:  # a wrapped continuation
+            listed[list(listed)[-1]] += " " + ln.strip()
+    assert all(len(ln) <= 100 for ln in text.splitlines() if not ln.startswith(f"  {cmd} ")), text
+    assert set(listed) == set(groups)
+    for g in groups:
+        assert listed[g].split(None, 1)[1].replace(",", " ").split() == config_names(g)
+    for g in absent:
+        assert f"  {g} " not in text and f"{g}=" not in text
+    _nothing_created(tmp_path)
+
+
+def test_cached_weights_load_without_the_hub(tmp_path, monkeypatch, dinov2_weights):
+    """Weights in the Hugging Face cache, hub unreachable: loaded from the cache in offline
+    mode (no retries), the same weights as model.checkpoint=PATH."""
+    import torch
+    from huggingface_hub import constants
+    from safetensors.torch import save_file
+
+    from segment.models.vit import TimmViT
+
+    ref = TimmViT("vit_small_patch14_dinov2.lvd142m", checkpoint=dinov2_weights, device="cpu")
+    snap = tmp_path / "models--timm--vit_small_patch14_dinov2.lvd142m" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text("abc")
+    save_file({k: v.contiguous() for k, v in ref.model.state_dict().items()}, str(snap / "model.safetensors"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    t0 = time.perf_counter()
+    got = TimmViT("vit_small_patch14_dinov2.lvd142m", device="cpu")
+    assert time.perf_counter() - t0 < 30
+    assert constants.HF_HUB_OFFLINE is False  # restored after loading
+    sd, want = got.model.state_dict(), ref.model.state_dict()
+    assert sd.keys() == want.keys() and all(torch.equal(sd[k], want[k]) for k in sd)
