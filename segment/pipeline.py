@@ -44,6 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 from torch import Tensor
 
+from segment import shard
 from segment.io import (
     IMAGE_EXTENSIONS,
     ImageFile,
@@ -96,6 +97,7 @@ class _Status:
     status: str  # done | resumed | failed
     reason: str | None = None
     seconds: float | None = None
+    rank: int | None = None  # the torchrun rank that segmented it (distributed runs)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -178,10 +180,14 @@ class SegmentRun:
         backbone: an already built backbone (benchmarks reuse one); default: built from
             ``cfg.model``.
         method: an already built method; default: built from ``cfg.method``.
+        ctx: this process's place under torchrun (:mod:`segment.shard`); default: a single
+            process.
     """
 
-    def __init__(self, cfg: DictConfig, *, backbone: Any = None, method: Any = None) -> None:
+    def __init__(self, cfg: DictConfig, *, backbone: Any = None, method: Any = None,
+                 ctx: shard.DistContext | None = None) -> None:
         self.cfg = cfg
+        self.ctx = ctx or shard.DistContext()
         self.backbone = backbone
         self.method = method
         self.opts = RenderOptions(**(OmegaConf.to_container(cfg.render, resolve=True) if cfg.get("render") else {}))
@@ -196,7 +202,7 @@ class SegmentRun:
         self.max_pixels = cfg.get("max_pixels")
         self.min_size = cfg.get("min_size")
         self.overwrite = bool(cfg.get("overwrite", False))
-        self.progress = bool(cfg.get("progress", True))
+        self.progress = bool(cfg.get("progress", True)) and self.ctx.is_main
         self.fingerprint = config_fingerprint(cfg)
         self.device: torch.device | None = None
         self.t = _Timings()
@@ -209,6 +215,8 @@ class SegmentRun:
         self.input_desc = "bundled examples" if cfg.get("input") is None else str(cfg.input)
         self.files: list[ImageFile] = []
         self.input_root: Path | None = None
+        self.mine: list[ImageFile] = []  # this rank's share of files (all of them in one process)
+        self.ranks: list[dict[str, Any]] | None = None  # per-rank summaries (torchrun, rank 0)
 
     # ------------------------------------------------------------------ entry
 
@@ -235,8 +243,12 @@ class SegmentRun:
             log.warning("interrupted: finished images are kept; rerun the same command to resume")
         finally:
             self.t.extra["total_s"] = time.perf_counter() - t0
-            if self.input_root is not None or self.error is not None:
+            if self.ctx.distributed:  # torchrun: rank 0 gathers the statuses and records
+                code = self._merge_ranks(code)
+            if self.ctx.is_main and (self.input_root is not None or self.error is not None):
                 self._write_summary(code)
+            if self.ctx.distributed:
+                code = shard.agree(code, self.ctx)
         return code
 
     def _fail(self, msg: str) -> int:
@@ -246,12 +258,16 @@ class SegmentRun:
 
     def _run(self, input_path: Path) -> int:
         ts = time.perf_counter()
-        try:
+
+        def list_input():
             if self.out.exists() and not self.out.is_dir():
                 raise InputError(f"output {str(self.out)!r} exists and is not a folder")
             if input_path.exists() and input_path.resolve() == self.out:
                 raise InputError(f"output folder {str(self.out)!r} is the input folder; choose another output")
-            listing = find_images(input_path, exclude=[self.out])
+            return find_images(input_path, exclude=[self.out])
+
+        try:
+            listing = shard.scan(list_input, self.ctx)  # torchrun: rank 0 lists, all get it
         except InputError as e:
             return self._fail(str(e))
         self.input_root = listing.root
@@ -268,11 +284,13 @@ class SegmentRun:
         self.out.mkdir(parents=True, exist_ok=True)
 
         ts = time.perf_counter()
-        todo = self._plan()
+        self.mine = shard.share(self.files, self.ctx)  # torchrun: every world_size-th image
+        todo = self._plan(self.mine)
         self.t.plan_s = time.perf_counter() - ts
-        done_before = len(self.files) - len(todo)
+        done_before = len(self.mine) - len(todo)
         log.info(
-            "%d images under %s: %d already done%s, %d to segment -> %s",
+            "%s%d images under %s: %d already done%s, %d to segment -> %s",
+            f"rank {self.ctx.rank}/{self.ctx.world_size}: {len(self.mine)} of " if self.ctx.distributed else "",
             len(self.files), listing.root, done_before,
             "" if not self.overwrite else " (overwrite=true: redoing all)", len(todo), self.out,
         )
@@ -289,20 +307,27 @@ class SegmentRun:
                 self._process(todo)
             finally:
                 self.t.processing_s = time.perf_counter() - ts
+        if self.ctx.distributed:
+            return EXIT_OK  # rank 0 decides from every rank's statuses (_merge_ranks)
+        return self._outcome()
+
+    def _outcome(self) -> int:
+        """Exit code and closing log line from the statuses of every image."""
         n_ok = sum(s.status in ("done", "resumed") for s in self.statuses.values())
+        n_resumed = sum(s.status == "resumed" for s in self.statuses.values())
         n_failed = sum(s.status == "failed" for s in self.statuses.values())
         if n_ok == 0:
             self.error = f"none of the {len(self.files)} images could be processed; see the reasons above and in run.json"
             log.error(self.error)
             return EXIT_NOTHING_DONE
-        log.info("done: %d segmented, %d resumed, %d failed", n_ok - done_before, done_before, n_failed)
+        log.info("done: %d segmented, %d resumed, %d failed", n_ok - n_resumed, n_resumed, n_failed)
         return EXIT_OK
 
     # ------------------------------------------------------------------ plan / build
 
-    def _plan(self) -> list[_Item]:
+    def _plan(self, files: list[ImageFile]) -> list[_Item]:
         todo = []
-        for f in self.files:
+        for f in files:
             try:
                 st = f.path.stat()
             except OSError as e:
@@ -323,9 +348,14 @@ class SegmentRun:
     def _build(self) -> None:
         from hydra.utils import instantiate
 
-        self.device = resolve_device(self.cfg.get("device", "auto"))
+        if self.ctx.distributed:  # torchrun: cuda:LOCAL_RANK (segment.shard.init)
+            self.device = self.ctx.device
+            on_rank = {"device": str(self.device)} if "device" in self.cfg.model else {}
+        else:
+            self.device = resolve_device(self.cfg.get("device", "auto"))
+            on_rank = {}
         if self.backbone is None:
-            self.backbone = instantiate(self.cfg.model)
+            self.backbone = instantiate(self.cfg.model, **on_rank)
         if self.method is None:
             self.method = instantiate(self.cfg.method)
         self.capture = self.method.capture(self.backbone.num_layers)
@@ -482,6 +512,54 @@ class SegmentRun:
             writer.shutdown(wait=True)
             bar.close()
 
+    # ------------------------------------------------------------------ torchrun merge
+
+    def _merge_ranks(self, code: int) -> int:
+        """Every rank: send statuses and timings to rank 0 (:mod:`segment.shard`). Rank 0:
+        take the other ranks' statuses and load the records they wrote from disk, so the
+        run files list every image done by any rank; returns the run's exit code."""
+        timings = {k: round(v, 4) for k, v in self.t.__dict__.items() if isinstance(v, float)}
+        timings.update({k: round(v, 4) for k, v in self.t.extra.items()})
+        report = shard.RankReport(
+            rank=self.ctx.rank, images=len(self.mine), timings=timings, device=_device_info(self.device),
+            statuses={n: s.as_dict() for n, s in self.statuses.items()},
+            interrupted=self.interrupted, error=self.error,
+        )
+        reports = shard.merge(report, self.ctx)
+        if reports is None:  # not rank 0
+            return code
+        for r in reports:
+            for name, d in r.statuses.items():
+                self.statuses[name] = _Status(**{**d, "rank": r.rank if d["status"] == "done" else None})
+            if r.error and not r.interrupted and r.rank != 0 and self.input_root is not None:
+                for f in self.files[r.rank :: self.ctx.world_size]:  # its unfinished share
+                    if f.name not in self.statuses:
+                        self.statuses[f.name] = _Status(f.name, f.rel, "failed", f"rank {r.rank} stopped: {r.error}")
+        for f in self.files:  # the records the other ranks wrote, read back from disk
+            st = self.statuses.get(f.name)
+            if f.name in self.records or st is None or st.status == "failed":
+                continue
+            rec = load_record(self.out, f.name)
+            try:
+                size, mtime = f.path.stat().st_size, f.path.stat().st_mtime_ns
+            except OSError:
+                size = mtime = -1
+            if record_is_current(rec, self.out, fingerprint=self.fingerprint, source_bytes=size, source_mtime_ns=mtime):
+                rec.source_path = str(f.path)
+                self.records[f.name] = rec
+            else:
+                st.status, st.reason = "failed", (
+                    f"rank {st.rank} reported it done but rank 0 finds no current record in {self.out}"
+                    " (the output folder must be on a file system every node sees)")
+                log.error("%s: %s", f.rel, st.reason)
+        self.ranks = [r.summary() for r in reports]
+        self.interrupted = any(r.interrupted for r in reports)
+        if self.interrupted:
+            return EXIT_INTERRUPTED
+        if code != EXIT_OK or self.input_root is None:
+            return code
+        return self._outcome()
+
     # ------------------------------------------------------------------ summary
 
     def _write_summary(self, code: int) -> None:
@@ -518,6 +596,8 @@ class SegmentRun:
         proc = self.t.processing_s
         timings = {k: round(v, 4) for k, v in self.t.__dict__.items() if isinstance(v, float)}
         timings.update({k: round(v, 4) for k, v in self.t.extra.items()})
+        if self.ranks:  # torchrun: the slowest rank's processing time
+            proc = max(r["timings"].get("processing_s", 0.0) for r in self.ranks)
         timings["images_per_s"] = round(n_new / proc, 3) if proc > 0 and n_new else None
         self.t.summary_s = time.perf_counter() - ts
         timings["summary_s"] = round(self.t.summary_s, 4)
@@ -548,6 +628,9 @@ class SegmentRun:
             "images": statuses,
             "skipped": skipped,
         }
+        if self.ranks is not None:  # torchrun: one entry per rank (counts, device, timings)
+            manifest["world_size"] = len(self.ranks)
+            manifest["ranks"] = self.ranks
         try:
             write_manifest(self.out / "run.json", manifest)
         except OSError as e:
@@ -556,10 +639,22 @@ class SegmentRun:
 
 def run_segment(cfg: DictConfig, **kwargs: Any) -> int:
     """Run ``segment`` with a composed config (``configs/segment.yaml``); returns the exit
-    code (see the module docstring). ``kwargs`` go to :class:`SegmentRun`."""
+    code (see the module docstring). ``kwargs`` go to :class:`SegmentRun`.
+
+    Under ``torchrun`` (``WORLD_SIZE > 1``) this process joins the group and segments its
+    share of the images; rank 0 writes the run files (:mod:`segment.shard`).
+    """
     try:
-        runner = SegmentRun(cfg, **kwargs)
-    except (ValueError, TypeError) as e:
+        ctx = shard.init(cfg.get("device", "auto")) if shard.launched() else shard.DistContext()
+    except ValueError as e:  # e.g. device=cuda without CUDA, a bad torchrun environment
         log.error("bad settings: %s", e)
         return EXIT_BAD_INPUT
-    return runner.run()
+    try:
+        try:
+            runner = SegmentRun(cfg, ctx=ctx, **kwargs)
+        except (ValueError, TypeError) as e:
+            log.error("bad settings: %s", e)
+            return shard.agree(EXIT_BAD_INPUT, ctx) if ctx.distributed else EXIT_BAD_INPUT
+        return runner.run()
+    finally:
+        shard.close(ctx)
