@@ -205,6 +205,8 @@ class SegmentRun:
         self.progress = bool(cfg.get("progress", True)) and self.ctx.is_main
         self.fingerprint = config_fingerprint(cfg)
         self.device: torch.device | None = None
+        self.pin_memory = False  # set in _build: True when the backbone is on CUDA
+        self.input_device = torch.device("cpu")  # where the backbone wants its pixels
         self.t = _Timings()
         self.statuses: dict[str, _Status] = {}
         self.records: dict[str, ImageRecord] = {}
@@ -359,8 +361,11 @@ class SegmentRun:
         if self.method is None:
             self.method = instantiate(self.cfg.method)
         self.capture = self.method.capture(self.backbone.num_layers)
+        dev = torch.device(getattr(self.backbone, "device", self.device))
+        # CUDA: loader threads pin each image's pixels, the forward copies them asynchronously
+        self.pin_memory = dev.type == "cuda"
+        self.input_device = dev
         if self.num_workers == 0:  # a GPU forward is fast: more threads to decode and write
-            dev = torch.device(getattr(self.backbone, "device", self.device))
             self.num_workers = max(1, min(16 if dev.type == "cuda" else 4, os.cpu_count() or 1))
         ph, pw = _patch_size(self.backbone)
         self.min_hw = (int(self.min_size), int(self.min_size)) if self.min_size else (ph, pw)
@@ -381,6 +386,8 @@ class SegmentRun:
                 raise ImageReadError(item.file.path, f"image is {w}x{h} px, smaller than {what}")
             item.loaded = loaded
             item.pixels = self.backbone.preprocess(loaded.image)
+            if self.pin_memory:  # page-locked, in this thread: the H2D copy needs no staging
+                item.pixels = item.pixels.pin_memory()
         except ImageReadError as e:
             item.error = e.reason
         except Exception as e:  # preprocessing of one odd image must not end the run
@@ -389,7 +396,10 @@ class SegmentRun:
         return item
 
     def _forward(self, items: list[_Item]) -> MethodOutput:
-        pixels = torch.stack([it.pixels for it in items])  # (B, 3, H, W)
+        if self.pin_memory:  # asynchronous copies of the pinned images, stacked on the device
+            pixels = torch.stack([it.pixels.to(self.input_device, non_blocking=True) for it in items])  # (B, 3, H, W)
+        else:
+            pixels = torch.stack([it.pixels for it in items])  # (B, 3, H, W)
         with torch.no_grad():
             record = self.backbone.extract(pixels, self.capture)
             out = self.method(record)
