@@ -504,20 +504,21 @@ class SelfCheck:
                  f"{t_reg / t_fwd:.2f}, pipeline/bare {res['ratio']:.2f} ({res['pipeline_median']:.1f} vs "
                  f"{res['bare_forward_median']:.1f} img/s)")
 
-    def measure_throughput(self) -> None:
+    def measure_throughput(self, configs: tuple[str, ...] = ("dinov2_vits14", "dinov2_vitb14"),
+                           sizes: tuple[int, ...] = (224, 448), images: int = 128, batch: int = 32) -> None:
         """Images/s of ``segment`` and of the bare forward for ViT-S/14 and ViT-B/14 at 224
         and 448 px (device runs without ``--quick`` only; random ViT-B weights, same compute)."""
         from segment import bench_pipeline
 
-        for config in ("dinov2_vits14", "dinov2_vitb14"):
+        for config in configs:
             ckpt = ["--checkpoint", str(self.weights)] if config == "dinov2_vits14" and self.weights else []
-            for px in (224, 448):
+            for px in sizes:
                 args = bench_pipeline._parser().parse_args([
-                    "--images", "128", "--model", config, "--method", "regions", "--batch-size", "32",
+                    "--images", str(images), "--model", config, "--method", "regions", "--batch-size", str(batch),
                     "--device", str(self.device), "--repeats", "2", *ckpt, f"model.image_size={px}",
                 ])  # no checkpoint: bench_pipeline sets model.pretrained=false
                 res = bench_pipeline.run_benchmark(args)
-                row = {"model": config, "px": px, "batch": 32, "images": res["images"],
+                row = {"model": config, "px": px, "batch": batch, "images": res["images"],
                        "bare_forward_img_s": res["bare_forward_median"], "pipeline_img_s": res["pipeline_median"],
                        "ratio": res["ratio"], "stages_cpu_ms_per_image": res["stages_cpu_ms_per_image"]}
                 self.ratios.setdefault("throughput", []).append(row)
