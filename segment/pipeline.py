@@ -246,7 +246,7 @@ class SegmentRun:
         finally:
             self.t.extra["total_s"] = time.perf_counter() - t0
             if self.ctx.distributed:  # torchrun: rank 0 gathers the statuses and records
-                code = self._merge_ranks(code)
+                code = shard.finish(self, code)
             if self.ctx.is_main and (self.input_root is not None or self.error is not None):
                 self._write_summary(code)
             if self.ctx.distributed:
@@ -310,7 +310,7 @@ class SegmentRun:
             finally:
                 self.t.processing_s = time.perf_counter() - ts
         if self.ctx.distributed:
-            return EXIT_OK  # rank 0 decides from every rank's statuses (_merge_ranks)
+            return EXIT_OK  # rank 0 decides from every rank's statuses (shard.finish)
         return self._outcome()
 
     def _outcome(self) -> int:
@@ -521,54 +521,6 @@ class SegmentRun:
             loader.shutdown(wait=True, cancel_futures=True)
             writer.shutdown(wait=True)
             bar.close()
-
-    # ------------------------------------------------------------------ torchrun merge
-
-    def _merge_ranks(self, code: int) -> int:
-        """Every rank: send statuses and timings to rank 0 (:mod:`segment.shard`). Rank 0:
-        take the other ranks' statuses and load the records they wrote from disk, so the
-        run files list every image done by any rank; returns the run's exit code."""
-        timings = {k: round(v, 4) for k, v in self.t.__dict__.items() if isinstance(v, float)}
-        timings.update({k: round(v, 4) for k, v in self.t.extra.items()})
-        report = shard.RankReport(
-            rank=self.ctx.rank, images=len(self.mine), timings=timings, device=_device_info(self.device),
-            statuses={n: s.as_dict() for n, s in self.statuses.items()},
-            interrupted=self.interrupted, error=self.error,
-        )
-        reports = shard.merge(report, self.ctx)
-        if reports is None:  # not rank 0
-            return code
-        for r in reports:
-            for name, d in r.statuses.items():
-                self.statuses[name] = _Status(**{**d, "rank": r.rank if d["status"] == "done" else None})
-            if r.error and not r.interrupted and r.rank != 0 and self.input_root is not None:
-                for f in self.files[r.rank :: self.ctx.world_size]:  # its unfinished share
-                    if f.name not in self.statuses:
-                        self.statuses[f.name] = _Status(f.name, f.rel, "failed", f"rank {r.rank} stopped: {r.error}")
-        for f in self.files:  # the records the other ranks wrote, read back from disk
-            st = self.statuses.get(f.name)
-            if f.name in self.records or st is None or st.status == "failed":
-                continue
-            rec = load_record(self.out, f.name)
-            try:
-                size, mtime = f.path.stat().st_size, f.path.stat().st_mtime_ns
-            except OSError:
-                size = mtime = -1
-            if record_is_current(rec, self.out, fingerprint=self.fingerprint, source_bytes=size, source_mtime_ns=mtime):
-                rec.source_path = str(f.path)
-                self.records[f.name] = rec
-            else:
-                st.status, st.reason = "failed", (
-                    f"rank {st.rank} reported it done but rank 0 finds no current record in {self.out}"
-                    " (the output folder must be on a file system every node sees)")
-                log.error("%s: %s", f.rel, st.reason)
-        self.ranks = [r.summary() for r in reports]
-        self.interrupted = any(r.interrupted for r in reports)
-        if self.interrupted:
-            return EXIT_INTERRUPTED
-        if code != EXIT_OK or self.input_root is None:
-            return code
-        return self._outcome()
 
     # ------------------------------------------------------------------ summary
 

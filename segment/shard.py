@@ -23,6 +23,7 @@ folder must be on a file system that every node sees (as on a cluster).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -30,10 +31,13 @@ from typing import Any, TypeVar
 from segment.eval import dist
 from segment.eval.dist import DistContext
 from segment.io import InputError
+from segment.outputs import load_record, record_is_current
+from segment.utils import EXIT_INTERRUPTED, EXIT_OK
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
-__all__ = ["DistContext", "RankReport", "launched", "init", "close", "scan", "share", "merge", "agree"]
+__all__ = ["DistContext", "RankReport", "launched", "init", "close", "scan", "share", "merge", "finish", "agree"]
 
 DEFAULT_TIMEOUT_S = 7 * 24 * 3600.0
 """How long a rank waits for the others at the start (the scan) and the end (the merge):
@@ -114,6 +118,69 @@ class RankReport:
 def merge(report: RankReport, ctx: DistContext) -> list[RankReport] | None:
     """Every rank's report on rank 0 (rank order); ``None`` on the other ranks."""
     return dist.gather(report, ctx)
+
+
+def finish(run: Any, code: int) -> int:
+    """End of a distributed :class:`segment.pipeline.SegmentRun` (every rank calls it).
+
+    Every rank sends its statuses and timings to rank 0 (:func:`merge`). Rank 0 takes the
+    other ranks' statuses, marks the unfinished share of a rank that stopped on an error as
+    failed, and loads from disk the current record of every image another rank reported
+    done or resumed (one that it cannot find is failed with the reason), so the run files
+    it writes next list every image; ``run.ranks`` gets each rank's summary.
+
+    Args:
+        run: the :class:`~segment.pipeline.SegmentRun` of this rank.
+        code: this rank's exit code so far.
+
+    Returns:
+        The run's exit code on rank 0 (130 if any rank was interrupted), ``code`` elsewhere.
+    """
+    from segment.pipeline import _device_info, _Status
+
+    ctx = run.ctx
+    timings = {k: round(v, 4) for k, v in run.t.__dict__.items() if isinstance(v, float)}
+    timings.update({k: round(v, 4) for k, v in run.t.extra.items()})
+    report = RankReport(
+        rank=ctx.rank, images=len(run.mine), timings=timings, device=_device_info(run.device),
+        statuses={n: s.as_dict() for n, s in run.statuses.items()},
+        interrupted=run.interrupted, error=run.error,
+    )
+    reports = merge(report, ctx)
+    if reports is None:  # not rank 0
+        return code
+    for r in reports:
+        for name, d in r.statuses.items():
+            run.statuses[name] = _Status(**{**d, "rank": r.rank if d["status"] == "done" else None})
+        if r.error and not r.interrupted and r.rank != 0 and run.input_root is not None:
+            for f in run.files[r.rank :: ctx.world_size]:  # its unfinished share
+                if f.name not in run.statuses:
+                    run.statuses[f.name] = _Status(f.name, f.rel, "failed", f"rank {r.rank} stopped: {r.error}")
+    for f in run.files:  # the records the other ranks wrote, read back from disk
+        st = run.statuses.get(f.name)
+        if f.name in run.records or st is None or st.status == "failed":
+            continue
+        rec = load_record(run.out, f.name)
+        try:
+            stat = f.path.stat()
+            size, mtime = stat.st_size, stat.st_mtime_ns
+        except OSError:
+            size = mtime = -1
+        if record_is_current(rec, run.out, fingerprint=run.fingerprint, source_bytes=size, source_mtime_ns=mtime):
+            rec.source_path = str(f.path)
+            run.records[f.name] = rec
+        else:
+            st.status, st.reason = "failed", (
+                f"reported {st.status} by a rank, but rank 0 finds no current record in {run.out}"
+                " (the output folder must be on a file system every node sees)")
+            log.error("%s: %s", f.rel, st.reason)
+    run.ranks = [r.summary() for r in reports]
+    run.interrupted = any(r.interrupted for r in reports)
+    if run.interrupted:
+        return EXIT_INTERRUPTED
+    if code != EXIT_OK or run.input_root is None:
+        return code
+    return run._outcome()
 
 
 def agree(code: int, ctx: DistContext) -> int:
