@@ -55,7 +55,8 @@ import torch
 from segment.utils import atomic_write_json
 
 # tolerances (stated in the output next to every check)
-TOL_CAPTURE_FP32 = 2e-3  # max |attention prob| difference; cuDNN may run the patch conv in TF32
+TOL_CAPTURE_FP32 = 2e-3  # max |attention prob| difference, TF32 off
+TOL_CAPTURE_TF32 = 1e-2  # the same with PyTorch's default cuDNN TF32 convolutions (the patch embedding)
 TOL_CAPTURE_BF16 = 6e-2  # bf16 weights and activations against the fp32 CPU capture
 TOL_HEATMAP = 2e-3  # max difference of the min-max normalised heatmap R at the grid
 TOL_MASK = 0.01  # share of pixels whose mask differs although R is not at the threshold
@@ -245,12 +246,18 @@ class SelfCheck:
         ref_model = self.build_vit(spec, self.cpu)
         x = ref_model.collate(self.images)
         ref, t_cpu = _timed(lambda: ref_model.extract(x, cap), self.cpu)
-        for dtype, tol in (("float32", TOL_CAPTURE_FP32), ("bfloat16", TOL_CAPTURE_BF16)):
+        variants = [("float32", "float32", False, TOL_CAPTURE_FP32), ("bfloat16", "bfloat16", None, TOL_CAPTURE_BF16)]
+        if self.device.type == "cuda":  # as users run it: cuDNN convolutions in TF32 by default
+            variants.insert(1, ("float32 (cuDNN TF32 on)", "float32", True, TOL_CAPTURE_TF32))
+        for label, dtype, tf32, tol in variants:
             model = self.build_vit(spec, self.device, dtype)
-            model.extract(x, cap)  # warm-up
-            got, t_dev = _timed(lambda: model.extract(x, cap), self.device)
+            flags = (torch.backends.cudnn.flags(enabled=True, allow_tf32=tf32) if tf32 is not None
+                     else contextlib.nullcontext())
+            with flags:
+                model.extract(x, cap)  # warm-up
+                got, t_dev = _timed(lambda: model.extract(x, cap), self.device)
             err = max((got.attn[i].float().cpu() - ref.attn[i]).abs().max().item() for i in ref.attn)
-            self.add("capture", f"{spec['name']} {dtype}", "max_abs attention", err, tol,
+            self.add("capture", f"{spec['name']} {label}", "max_abs attention", err, tol,
                      cpu_ms=t_cpu, device_ms=t_dev, note=f"{len(ref.attn)} layers x {ref.attn[0].shape[1]} heads")
             del model
         return ref_model, x
@@ -339,9 +346,16 @@ class SelfCheck:
         self.add("markov", f"{model.name} lambda_2 fp32 vs dense float64", "max_abs |lambda_2|", err, TOL_LAMBDA2,
                  device_ms=t_l2, note=f"{int(info.dense.sum())}/{chains.shape[0]} dense fallbacks")
         k = min(4, chains.shape[0])
-        t_dense = _best_ms(lambda: [torch.linalg.eigvals(ch_d[i]) for i in range(k)], self.device, 1) / k
+        dense_on = self.device
+        try:
+            t_dense = _best_ms(lambda: [torch.linalg.eigvals(ch_d[i]) for i in range(k)], self.device, 1) / k
+        except RuntimeError as e:  # a build without a device eigensolver: time it on the CPU
+            self.log(f"  dense eigvals on {self.device} failed ({str(e).splitlines()[0]}); timing it on the CPU")
+            dense_on = self.cpu
+            t_dense = _best_ms(lambda: [torch.linalg.eigvals(chains[i]) for i in range(k)], self.cpu, 1) / k
         self.ratios.setdefault("lambda2_vs_dense", []).append({
             "model": model.name, "tokens": int(chains.shape[-1]), "heads": int(chains.shape[0]),
+            "dense_device": str(dense_on),
             "lambda2_ms_per_head": round(t_l2 / chains.shape[0], 3), "dense_ms_per_head": round(t_dense, 3),
             "ratio": round((t_l2 / chains.shape[0]) / t_dense, 4),
         })
