@@ -12,7 +12,9 @@ Flow (:func:`run_segment`)::
 files; an image counts as done when its record exists, was made with the same model and
 method config (a fingerprint), the source file has the same size and mtime, and the files
 it lists exist. ``annotations.json`` and ``index.html`` are rebuilt from the records at the
-end of every run, so a resumed run lists every image of the input.
+end of every run, so a resumed run lists every image of the input. Under ``torchrun`` each
+rank runs this flow on its share of the sorted list and rank 0 writes the run-level files
+(:mod:`segment.shard`).
 
 Bad input never stops the run: each unusable file is logged with the reason, listed in the
 manifest and the gallery, and the run goes on. The exit code is 0 when at least one image is
