@@ -288,13 +288,15 @@ class Segmenter:
         self.capture = method.capture(backbone.num_layers)
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, *, backbone: Any = None, method: Any = None) -> Segmenter:
+    def from_config(cls, cfg: DictConfig, *, backbone: Any = None, method: Any = None,
+                    model_overrides: dict[str, Any] | None = None) -> Segmenter:
         """Build from a composed config (``model``, ``method``, ``batch_size``, ``max_pixels``);
-        an already built ``backbone`` / ``method`` is used as it is."""
+        an already built ``backbone`` / ``method`` is used as it is; ``model_overrides`` are
+        passed to the model's constructor (torchrun: each rank's device)."""
         from hydra.utils import instantiate
 
         if backbone is None:
-            backbone = instantiate(cfg.model)
+            backbone = instantiate(cfg.model, **(model_overrides or {}))
         if method is None:
             method = instantiate(cfg.method)
         return cls(backbone, method, batch_size=int(cfg.get("batch_size") or 8),

@@ -425,7 +425,9 @@ def write_image(
     }
     num_regions = None
     if seg.labels is not None:
-        k = max(int(seg.labels.max()) + 1, len(seg.foreground))
+        # the image's own region count: ``foreground`` is padded to the batch's largest K,
+        # so its length would make the file depend on which images shared the batch
+        k = int(seg.labels.max()) + 1
         num_regions = int(len(np.unique(seg.labels)))
         files["labels"] = _png(label_image(seg.labels, k), opts)
         small = cv2.resize(seg.labels.astype(np.float32), thumbs["mask"].shape[::-1],

@@ -16,7 +16,9 @@ returns, so the command's masks and the API's are the same computation.
 files; an image counts as done when its record exists, was made with the same model and
 method config (a fingerprint), the source file has the same size and mtime, and the files
 it lists exist. ``annotations.json`` and ``index.html`` are rebuilt from the records at the
-end of every run, so a resumed run lists every image of the input.
+end of every run, so a resumed run lists every image of the input. Under ``torchrun`` each
+rank runs this flow on its share of the sorted list and rank 0 writes the run-level files
+(:mod:`segment.shard`).
 
 Bad input never stops the run: each unusable file is logged with the reason, listed in the
 manifest and the gallery, and the run goes on. The exit code is 0 when at least one image is
@@ -50,6 +52,7 @@ from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 from torch import Tensor
 
+from segment import shard
 from segment.api import Segmenter
 from segment.io import (
     IMAGE_EXTENSIONS,
@@ -102,6 +105,7 @@ class _Status:
     status: str  # done | resumed | failed
     reason: str | None = None
     seconds: float | None = None
+    rank: int | None = None  # the torchrun rank that segmented it (distributed runs)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -184,10 +188,14 @@ class SegmentRun:
         backbone: an already built backbone (benchmarks reuse one); default: built from
             ``cfg.model``.
         method: an already built method; default: built from ``cfg.method``.
+        ctx: this process's place under torchrun (:mod:`segment.shard`); default: a single
+            process.
     """
 
-    def __init__(self, cfg: DictConfig, *, backbone: Any = None, method: Any = None) -> None:
+    def __init__(self, cfg: DictConfig, *, backbone: Any = None, method: Any = None,
+                 ctx: shard.DistContext | None = None) -> None:
         self.cfg = cfg
+        self.ctx = ctx or shard.DistContext()
         self.backbone = backbone
         self.method = method
         self.segmenter: Segmenter | None = None
@@ -203,9 +211,11 @@ class SegmentRun:
         self.max_pixels = cfg.get("max_pixels")
         self.min_size = cfg.get("min_size")
         self.overwrite = bool(cfg.get("overwrite", False))
-        self.progress = bool(cfg.get("progress", True))
+        self.progress = bool(cfg.get("progress", True)) and self.ctx.is_main
         self.fingerprint = config_fingerprint(cfg)
         self.device: torch.device | None = None
+        self.pin_memory = False  # set in _build: True when the backbone is on CUDA
+        self.input_device = torch.device("cpu")  # where the backbone wants its pixels
         self.t = _Timings()
         self.statuses: dict[str, _Status] = {}
         self.records: dict[str, ImageRecord] = {}
@@ -218,6 +228,8 @@ class SegmentRun:
         self.input_root: Path | None = None
         self.gallery: Path | None = None  # index.html, once written
         self.writing = False  # set once the output folder is in use: then run-level files are written
+        self.mine: list[ImageFile] = []  # this rank's share of files (all of them in one process)
+        self.ranks: list[dict[str, Any]] | None = None  # per-rank summaries (torchrun, rank 0)
 
     # ------------------------------------------------------------------ entry
 
@@ -244,8 +256,12 @@ class SegmentRun:
             log.warning("interrupted: finished images are kept; rerun the same command to resume")
         finally:
             self.t.extra["total_s"] = time.perf_counter() - t0
-            if self.writing:
+            if self.ctx.distributed:  # torchrun: rank 0 gathers the statuses and records
+                code = shard.finish(self, code)
+            if self.ctx.is_main and self.writing:
                 self._write_summary(code)
+            if self.ctx.distributed:
+                code = shard.agree(code, self.ctx)
         if self.gallery is not None:
             print(f"gallery: {self.gallery}", flush=True)  # the last line of a run: open it
         return code
@@ -257,12 +273,16 @@ class SegmentRun:
 
     def _run(self, input_path: Path) -> int:
         ts = time.perf_counter()
-        try:
+
+        def list_input():
             if self.out.exists() and not self.out.is_dir():
                 raise InputError(f"output {str(self.out)!r} exists and is not a folder")
             if input_path.exists() and input_path.resolve() == self.out:
                 raise InputError(f"output folder {str(self.out)!r} is the input folder; choose another output")
-            listing = find_images(input_path, exclude=[self.out])
+            return find_images(input_path, exclude=[self.out])
+
+        try:
+            listing = shard.scan(list_input, self.ctx)  # torchrun: rank 0 lists, all get it
         except InputError as e:
             return self._fail(str(e))
         self.input_root = listing.root
@@ -277,11 +297,13 @@ class SegmentRun:
                 f"{', '.join(IMAGE_EXTENSIONS)}; {len(self.ignored)} other files ignored)"
             )
         ts = time.perf_counter()
-        todo = self._plan()
+        self.mine = shard.share(self.files, self.ctx)  # torchrun: every world_size-th image
+        todo = self._plan(self.mine)
         self.t.plan_s = time.perf_counter() - ts
-        done_before = len(self.files) - len(todo)
+        done_before = len(self.mine) - len(todo)
         log.info(
-            "%d images under %s: %d already done%s, %d to segment -> %s",
+            "%s%d images under %s: %d already done%s, %d to segment -> %s",
+            f"rank {self.ctx.rank}/{self.ctx.world_size}: {len(self.mine)} of " if self.ctx.distributed else "",
             len(self.files), listing.root, done_before,
             "" if not self.overwrite else " (overwrite=true: redoing all)", len(todo), self.out,
         )
@@ -304,20 +326,27 @@ class SegmentRun:
                 self._process(todo)
             finally:
                 self.t.processing_s = time.perf_counter() - ts
+        if self.ctx.distributed:
+            return EXIT_OK  # rank 0 decides from every rank's statuses (shard.finish)
+        return self._outcome()
+
+    def _outcome(self) -> int:
+        """Exit code and closing log line from the statuses of every image."""
         n_ok = sum(s.status in ("done", "resumed") for s in self.statuses.values())
+        n_resumed = sum(s.status == "resumed" for s in self.statuses.values())
         n_failed = sum(s.status == "failed" for s in self.statuses.values())
         if n_ok == 0:
             self.error = f"none of the {len(self.files)} images could be processed; see the reasons above and in run.json"
             log.error(self.error)
             return EXIT_NOTHING_DONE
-        log.info("done: %d segmented, %d resumed, %d failed", n_ok - done_before, done_before, n_failed)
+        log.info("done: %d segmented, %d resumed, %d failed", n_ok - n_resumed, n_resumed, n_failed)
         return EXIT_OK
 
     # ------------------------------------------------------------------ plan / build
 
-    def _plan(self) -> list[_Item]:
+    def _plan(self, files: list[ImageFile]) -> list[_Item]:
         todo = []
-        for f in self.files:
+        for f in files:
             try:
                 st = f.path.stat()
             except OSError as e:
@@ -336,12 +365,21 @@ class SegmentRun:
         return todo
 
     def _build(self) -> None:
-        self.device = resolve_device(self.cfg.get("device", "auto"))
-        self.segmenter = Segmenter.from_config(self.cfg, backbone=self.backbone, method=self.method)
+        if self.ctx.distributed:  # torchrun: cuda:LOCAL_RANK (segment.shard.init)
+            self.device = self.ctx.device
+            on_rank = {"device": str(self.device)} if "device" in self.cfg.model else {}
+        else:
+            self.device = resolve_device(self.cfg.get("device", "auto"))
+            on_rank = {}
+        self.segmenter = Segmenter.from_config(self.cfg, backbone=self.backbone, method=self.method,
+                                               model_overrides=on_rank)
         self.backbone, self.method = self.segmenter.backbone, self.segmenter.method
         self.capture = self.segmenter.capture
+        dev = torch.device(getattr(self.backbone, "device", self.device))
+        # CUDA: loader threads pin each image's pixels, the forward copies them asynchronously
+        self.pin_memory = dev.type == "cuda"
+        self.input_device = dev
         if self.num_workers == 0:  # a GPU forward is fast: more threads to decode and write
-            dev = torch.device(getattr(self.backbone, "device", self.device))
             self.num_workers = max(1, min(16 if dev.type == "cuda" else 4, os.cpu_count() or 1))
         ph, pw = _patch_size(self.backbone)
         self.min_hw = (int(self.min_size), int(self.min_size)) if self.min_size else (ph, pw)
@@ -362,6 +400,8 @@ class SegmentRun:
                 raise ImageReadError(item.file.path, f"image is {w}x{h} px, smaller than {what}")
             item.loaded = loaded
             item.pixels = self.segmenter.preprocess(loaded.image)
+            if self.pin_memory:  # page-locked, in this thread: the H2D copy needs no staging
+                item.pixels = item.pixels.pin_memory()
         except ImageReadError as e:
             item.error = e.reason
         except Exception as e:  # preprocessing of one odd image must not end the run
@@ -371,8 +411,12 @@ class SegmentRun:
 
     def _forward(self, items: list[_Item]) -> MethodOutput:
         """Main thread: one batch of one preprocessed size through the Segmenter (the
-        attention record is dropped here; the API keeps it)."""
-        return self.segmenter.forward([it.pixels for it in items]).out
+        attention record is dropped here; the API keeps it). On CUDA the pinned images are
+        copied asynchronously and stacked on the device."""
+        pixels = [it.pixels for it in items]
+        if self.pin_memory:
+            pixels = [p.to(self.input_device, non_blocking=True) for p in pixels]
+        return self.segmenter.forward(pixels).out
 
     def _write(self, item: _Item, out: MethodOutput, index: int) -> ImageRecord:
         """Writer thread: post-process at the original size, write files and record."""
@@ -524,6 +568,8 @@ class SegmentRun:
         proc = self.t.processing_s
         timings = {k: round(v, 4) for k, v in self.t.__dict__.items() if isinstance(v, float)}
         timings.update({k: round(v, 4) for k, v in self.t.extra.items()})
+        if self.ranks:  # torchrun: the slowest rank's processing time
+            proc = max(r["timings"].get("processing_s", 0.0) for r in self.ranks)
         timings["images_per_s"] = round(n_new / proc, 3) if proc > 0 and n_new else None
         self.t.summary_s = time.perf_counter() - ts
         timings["summary_s"] = round(self.t.summary_s, 4)
@@ -554,6 +600,9 @@ class SegmentRun:
             "images": statuses,
             "skipped": skipped,
         }
+        if self.ranks is not None:  # torchrun: one entry per rank (counts, device, timings)
+            manifest["world_size"] = len(self.ranks)
+            manifest["ranks"] = self.ranks
         try:
             write_manifest(self.out / "run.json", manifest)
         except OSError as e:
@@ -562,10 +611,22 @@ class SegmentRun:
 
 def run_segment(cfg: DictConfig, **kwargs: Any) -> int:
     """Run ``segment`` with a composed config (``configs/segment.yaml``); returns the exit
-    code (see the module docstring). ``kwargs`` go to :class:`SegmentRun`."""
+    code (see the module docstring). ``kwargs`` go to :class:`SegmentRun`.
+
+    Under ``torchrun`` (``WORLD_SIZE > 1``) this process joins the group and segments its
+    share of the images; rank 0 writes the run files (:mod:`segment.shard`).
+    """
     try:
-        runner = SegmentRun(cfg, **kwargs)
-    except (ValueError, TypeError) as e:
+        ctx = shard.init(cfg.get("device", "auto")) if shard.launched() else shard.DistContext()
+    except ValueError as e:  # e.g. device=cuda without CUDA, a bad torchrun environment
         log.error("bad settings: %s", e)
         return EXIT_BAD_INPUT
-    return runner.run()
+    try:
+        try:
+            runner = SegmentRun(cfg, ctx=ctx, **kwargs)
+        except (ValueError, TypeError) as e:
+            log.error("bad settings: %s", e)
+            return shard.agree(EXIT_BAD_INPUT, ctx) if ctx.distributed else EXIT_BAD_INPUT
+        return runner.run()
+    finally:
+        shard.close(ctx)

@@ -1,0 +1,188 @@
+"""``segment`` under ``torchrun``: each rank segments its share, rank 0 merges the run files.
+
+``torchrun --nproc_per_node=K -m segment input=DIR output=OUT`` (multi-node: torchrun's
+``--nnodes``/``--rdzv_*`` flags) starts K processes; each one:
+
+1. joins a **gloo** process group (:func:`init`; the ranks exchange only small Python
+   objects, so gloo serves CPU and CUDA runs alike and no NCCL watchdog fires while a slow
+   rank finishes; each rank computes on ``cuda:LOCAL_RANK``);
+2. gets rank 0's listing of the input (:func:`scan`: one scan, so every rank sees the same
+   sorted file list even if the folder changes meanwhile);
+3. takes every K-th image of that sorted list (:func:`share`, :func:`segment.eval.dist.shard`)
+   and plans, segments and writes it exactly like a single process: every per-image file
+   and its ``records/<name>.json`` are written by the rank that made them;
+4. sends its statuses and timings to rank 0 (:func:`merge`), which reads the **records on
+   disk** of every image it did not make itself, so ``annotations.json`` (image and
+   annotation ids in sorted-list order, as in a single-process run), ``index.html`` and
+   ``run.json`` list every image done by any rank or any earlier run.
+
+Resume is per image (records), so a rerun may use another number of ranks; an interrupted
+rank loses only the images it had not finished, and the rerun completes them. The output
+folder must be on a file system that every node sees (as on a cluster).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from segment.eval import dist
+from segment.eval.dist import DistContext
+from segment.io import InputError
+from segment.outputs import load_record, record_is_current
+from segment.utils import EXIT_INTERRUPTED, EXIT_OK
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+__all__ = ["DistContext", "RankReport", "launched", "init", "close", "scan", "share", "merge", "finish", "agree"]
+
+DEFAULT_TIMEOUT_S = 7 * 24 * 3600.0
+"""How long a rank waits for the others at the start (the scan) and the end (the merge):
+ranks finish their shares at different times, and a run over millions of images may take
+days. A rank that dies makes torchrun stop the others, so nobody waits that long for it."""
+
+
+def launched() -> bool:
+    """Whether torchrun started more than one process (``WORLD_SIZE > 1``)."""
+    return dist._env_int("WORLD_SIZE", 1) > 1
+
+
+def init(device: Any = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
+    """Join the process group when launched by torchrun (``WORLD_SIZE > 1``); a single
+    process gets ``DistContext(device=...)``. Always gloo (see the module docstring)."""
+    return dist.init(device, backend="gloo", timeout_s=timeout_s)
+
+
+def close(ctx: DistContext) -> None:
+    dist.close(ctx)
+
+
+def scan(list_input: Callable[[], T], ctx: DistContext) -> T:
+    """``list_input()`` on rank 0, its result (or its :class:`~segment.io.InputError`) on
+    every rank."""
+    if not ctx.distributed:
+        return list_input()
+    got: tuple[str, Any] = ("ok", None)
+    if ctx.is_main:
+        try:
+            got = ("ok", list_input())
+        except InputError as e:
+            got = ("error", str(e))
+    kind, value = dist.broadcast(got, ctx)
+    if kind == "error":
+        raise InputError(value)
+    return value
+
+
+def share(items: Sequence[T], ctx: DistContext) -> list[T]:
+    """This rank's images: every ``world_size``-th of the sorted list, from ``rank``."""
+    return dist.shard(items, ctx)
+
+
+@dataclass
+class RankReport:
+    """What one rank tells rank 0 at the end.
+
+    Attributes:
+        rank: the rank.
+        images: how many images were its share.
+        statuses: the per-image statuses of its share (``name`` -> status dict of
+            :class:`segment.pipeline._Status`).
+        timings: its stage timings (seconds).
+        device: its device description.
+        interrupted: it stopped on Ctrl-C.
+        error: its run-level error, if any.
+    """
+
+    rank: int
+    images: int
+    statuses: dict[str, dict[str, Any]] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    device: dict[str, Any] = field(default_factory=dict)
+    interrupted: bool = False
+    error: str | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """The rank's line in ``run.json``: counts, timings, device (no per-image list)."""
+        count = lambda s: sum(v["status"] == s for v in self.statuses.values())  # noqa: E731
+        return {
+            "rank": self.rank, "images": self.images, "segmented": count("done"),
+            "resumed": count("resumed"), "failed": count("failed"), "interrupted": self.interrupted,
+            "error": self.error, "device": self.device, "timings": self.timings,
+        }
+
+
+def merge(report: RankReport, ctx: DistContext) -> list[RankReport] | None:
+    """Every rank's report on rank 0 (rank order); ``None`` on the other ranks."""
+    return dist.gather(report, ctx)
+
+
+def finish(run: Any, code: int) -> int:
+    """End of a distributed :class:`segment.pipeline.SegmentRun` (every rank calls it).
+
+    Every rank sends its statuses and timings to rank 0 (:func:`merge`). Rank 0 takes the
+    other ranks' statuses, marks the unfinished share of a rank that stopped on an error as
+    failed, and loads from disk the current record of every image another rank reported
+    done or resumed (one that it cannot find is failed with the reason), so the run files
+    it writes next list every image; ``run.ranks`` gets each rank's summary.
+
+    Args:
+        run: the :class:`~segment.pipeline.SegmentRun` of this rank.
+        code: this rank's exit code so far.
+
+    Returns:
+        The run's exit code on rank 0 (130 if any rank was interrupted), ``code`` elsewhere.
+    """
+    from segment.pipeline import _device_info, _Status
+
+    ctx = run.ctx
+    timings = {k: round(v, 4) for k, v in run.t.__dict__.items() if isinstance(v, float)}
+    timings.update({k: round(v, 4) for k, v in run.t.extra.items()})
+    report = RankReport(
+        rank=ctx.rank, images=len(run.mine), timings=timings, device=_device_info(run.device),
+        statuses={n: s.as_dict() for n, s in run.statuses.items()},
+        interrupted=run.interrupted, error=run.error,
+    )
+    reports = merge(report, ctx)
+    if reports is None:  # not rank 0
+        return code
+    for r in reports:
+        for name, d in r.statuses.items():
+            run.statuses[name] = _Status(**{**d, "rank": r.rank if d["status"] == "done" else None})
+        if r.error and not r.interrupted and r.rank != 0 and run.input_root is not None:
+            for f in run.files[r.rank :: ctx.world_size]:  # its unfinished share
+                if f.name not in run.statuses:
+                    run.statuses[f.name] = _Status(f.name, f.rel, "failed", f"rank {r.rank} stopped: {r.error}")
+    for f in run.files:  # the records the other ranks wrote, read back from disk
+        st = run.statuses.get(f.name)
+        if f.name in run.records or st is None or st.status == "failed":
+            continue
+        rec = load_record(run.out, f.name)
+        try:
+            stat = f.path.stat()
+            size, mtime = stat.st_size, stat.st_mtime_ns
+        except OSError:
+            size = mtime = -1
+        if record_is_current(rec, run.out, fingerprint=run.fingerprint, source_bytes=size, source_mtime_ns=mtime):
+            rec.source_path = str(f.path)
+            run.records[f.name] = rec
+        else:
+            st.status, st.reason = "failed", (
+                f"reported {st.status} by a rank, but rank 0 finds no current record in {run.out}"
+                " (the output folder must be on a file system every node sees)")
+            log.error("%s: %s", f.rel, st.reason)
+    run.ranks = [r.summary() for r in reports]
+    run.interrupted = any(r.interrupted for r in reports)
+    if run.interrupted:
+        return EXIT_INTERRUPTED
+    if code != EXIT_OK or run.input_root is None:
+        return code
+    return run._outcome()
+
+
+def agree(code: int, ctx: DistContext) -> int:
+    """Rank 0's exit code on every rank, so torchrun's exit status is the run's."""
+    return dist.broadcast(code, ctx)
