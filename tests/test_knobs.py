@@ -218,6 +218,7 @@ def _stems(knob: str) -> set[str]:
     return {part[:4] for part in knob.split("_") if len(part) >= 3}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", METHODS)
 def test_every_knob_changes_the_output_or_is_refused(name, backbones):
     cls, values, knobs = method_knobs(name)
