@@ -21,15 +21,23 @@ Methods (``cfg.methods``), each scored from the same attention record:
 The default method (``cfg.method``) comes first unless ``include_default=false``.
 
 The metric cache lives in ``output/cache/<fingerprint>/``: the fingerprint covers the
-model, the data set and the post-processing; each image's file holds one state per method
-config (hashed), so a rerun with the same ``output`` skips images already scored, and adding
-a method scores only that method.
+model, the data set, the post-processing, the package version, :data:`CACHE_VERSION` and the
+source of the backbone, data set and scoring modules; each image's file holds one state per
+method, keyed by the method's config and the source of its class's modules and of the
+Markov core (:func:`method_key`), so a rerun with the same ``output`` skips images already
+scored, adding a method scores only that method, and an upgrade or a code change never mixes
+old and new numbers. The log says how many per-image results were reused.
+
+Prompts: a text-conditioned backbone (one with a ``default_class``, e.g. FLUX) is prompted
+with each image's class name; an image without one (an unknown synset) falls back to
+``model.default_class`` alone, and results.json counts those images (``prompt_fallbacks``).
 """
 
 from __future__ import annotations
 
 import csv
 import hashlib
+import importlib.util
 import io
 import json
 import logging
@@ -47,6 +55,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import Tensor
 
+import segment
 from segment.eval import dist
 from segment.eval.metrics import (
     BinaryState,
@@ -73,6 +82,8 @@ log = logging.getLogger(__name__)
 
 BINARY_COLUMNS = ("pixAcc", "mIoU", "mIoU_CA", "mAP")
 MULTICLASS_COLUMNS = ("ACC", "mIoU")
+# bump when a change outside the hashed modules (see fingerprint, method_key) changes scores
+CACHE_VERSION = 2
 
 
 class ConfigError(ValueError):
@@ -105,6 +116,47 @@ def config_hash(cfg: Any, drop: Sequence[str] = ()) -> str:
         cfg = {k: v for k, v in cfg.items() if k not in drop}
     blob = json.dumps(cfg, sort_keys=True, default=str).encode()
     return hashlib.sha1(blob).hexdigest()[:12]
+
+
+def _module_source(name: str) -> bytes:
+    """The source of module ``name`` (found without importing it), empty when unknown."""
+    mod = sys.modules.get(name)
+    path = getattr(mod, "__file__", None) if mod is not None else None
+    if path is None:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        path = spec.origin if spec is not None else None
+    try:
+        return Path(path).read_bytes() if path else b""
+    except OSError:
+        return b""
+
+
+def source_hash(modules: Sequence[str]) -> str:
+    """Short hash of the source files of ``modules`` (names and contents)."""
+    h = hashlib.sha1()
+    for name in sorted(set(modules)):
+        h.update(name.encode() + b"\0" + _module_source(name) + b"\0")
+    return h.hexdigest()[:12]
+
+
+# the Markov core every attention method runs on (regions imports it lazily)
+_METHOD_CORE = ("segment.markov", "segment.regions", "segment.methods")
+# what turns a method's output into scores
+_SCORING = ("segment.record", "segment.reduce", "segment.masks", "segment.eval.metrics",
+            "segment.models.base", "segment.datasets.base")
+
+
+def method_key(spec: MethodSpec) -> str:
+    """Cache key of a method: its config hash plus the source of its class's modules (the
+    class and its bases) and of the Markov core."""
+    if spec.method is None:
+        raise ValueError(f"method {spec.label!r} is not instantiated")
+    mods = [c.__module__ for c in type(spec.method).__mro__
+            if c.__module__ not in ("builtins", "abc")]
+    return f"{config_hash(spec.cfg, drop=('name',))}-{source_hash([*mods, *_METHOD_CORE])}"
 
 
 def _compose_method(name: str) -> DictConfig:
@@ -232,6 +284,20 @@ def union_capture(methods: Sequence[Any], num_layers: int) -> Capture:
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
+@dataclass
+class CacheEntry:
+    """One image's cached results.
+
+    Attributes:
+        states: method key -> metric state.
+        prompt_fallback: whether a text-conditioned backbone was prompted with the default
+            class because the image had no class name (``None``: no prompt was used).
+    """
+
+    states: dict[str, State] = field(default_factory=dict)
+    prompt_fallback: bool | None = None
+
+
 class MetricCache:
     """Per-image metric states on disk: ``root/<name>.json`` = ``{method key: state}``.
 
@@ -252,24 +318,31 @@ class MetricCache:
         return self.root / f"{safe}.json"
 
     def load(self, name: str) -> dict[str, State]:
+        return self.load_entry(name).states
+
+    def load_entry(self, name: str) -> CacheEntry:
         if not self.enabled:
-            return {}
+            return CacheEntry()
         p = self.path(name)
         if not p.is_file():
-            return {}
+            return CacheEntry()
         try:
             data = json.loads(p.read_text())
             if data.get("name") != name:
-                return {}
-            return {k: state_from_dict(v) for k, v in data["methods"].items()}
+                return CacheEntry()
+            states = {k: state_from_dict(v) for k, v in data["methods"].items()}
+            fallback = data.get("prompt_fallback")
+            return CacheEntry(states, None if fallback is None else bool(fallback))
         except (ValueError, KeyError, TypeError, AttributeError):
             log.warning("ignoring unreadable metric cache file %s", p)
-            return {}
+            return CacheEntry()
 
-    def save(self, name: str, states: dict[str, State]) -> None:
+    def save(self, name: str, states: dict[str, State], prompt_fallback: bool | None = None) -> None:
         if not self.enabled:
             return
         data = {"name": name, "methods": {k: v.to_dict() for k, v in states.items()}}
+        if prompt_fallback is not None:
+            data["prompt_fallback"] = prompt_fallback
         with atomic_path(self.path(name)) as tmp:
             tmp.write_text(json.dumps(data))
 
@@ -450,12 +523,19 @@ def _output_dir(cfg: DictConfig) -> Path:
 
 
 def fingerprint(cfg: DictConfig) -> str:
-    """What decides the per-image numbers besides the method: model, data set, post-processing."""
+    """What decides the per-image numbers besides the method: model, data set, post-processing,
+    package version, :data:`CACHE_VERSION` and the source of the backbone, data set and
+    scoring modules."""
     model = OmegaConf.to_container(cfg.model, resolve=True)
     if isinstance(model, dict):
         model = {k: v for k, v in model.items() if k != "device"}
     data = OmegaConf.to_container(cfg.dataset, resolve=True)
-    return config_hash({"model": model, "dataset": data, "mask_at": cfg.get("mask_at", "image")})
+    targets = [str(node.get("_target_", "")).rsplit(".", 1)[0] for node in (cfg.model, cfg.dataset)]
+    return config_hash({
+        "model": model, "dataset": data, "mask_at": cfg.get("mask_at", "image"),
+        "version": segment.__version__, "cache": CACHE_VERSION,
+        "code": source_hash([*(t for t in targets if t), *_SCORING]),
+    })
 
 
 def _instantiate_model(cfg: DictConfig, device: torch.device) -> Any:
@@ -514,6 +594,7 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
     specs = resolve_methods(cfg)
     for s in specs:
         s.method = instantiate_method(s)
+        s.key = method_key(s)
     n = len(dataset)
     limit = cfg.get("limit")
     if limit is not None:
@@ -525,27 +606,41 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
     if len(set(names)) != len(names):
         raise ConfigError(f"{type(dataset).__name__}: item names are not unique")
 
-    cache = MetricCache(out_dir / "cache" / fingerprint(cfg), enabled=bool(cfg.get("cache", True)))
+    cache_root = out_dir / "cache"
+    cache = MetricCache(cache_root / fingerprint(cfg), enabled=bool(cfg.get("cache", True)))
     mine = dist.shard(indices, ctx)
     keys = [s.key for s in specs]
     states: dict[int, dict[str, State]] = {}
+    fallbacks: dict[int, bool | None] = {}
     todo = []
+    reused = 0
     for i in mine:
-        got = cache.load(names[i])
-        states[i] = got
-        if any(k not in got for k in keys):
+        entry = cache.load_entry(names[i])
+        states[i] = entry.states
+        fallbacks[i] = entry.prompt_fallback
+        reused += sum(k in entry.states for k in keys)
+        if any(k not in entry.states for k in keys):
             todo.append(i)
     log.info(
         "rank %d/%d: %d images, %d from the cache, %d to score with %d methods",
         ctx.rank, ctx.world_size, len(mine), len(mine) - len(todo), len(todo), len(specs),
     )
+    if cache.enabled:
+        others = [p for p in cache_root.iterdir() if p.is_dir() and p != cache.root]
+        log.info(
+            "metric cache %s: reused %d of %d per-image results%s", cache.root, reused,
+            len(mine) * len(keys),
+            f"; {len(others)} other cache folder(s) (another model, data set, post-processing,"
+            " package version or code) not used" if others else "",
+        )
 
     t0 = time.perf_counter()
     if todo:
-        _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at)
+        _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at, fallbacks)
     elapsed = time.perf_counter() - t0
 
     gathered = dist.gather({i: {k: v.to_dict() for k, v in st.items()} for i, st in states.items()}, ctx)
+    gathered_fallbacks = dist.gather(fallbacks, ctx)
     if not ctx.is_main:
         return EXIT_OK
     per_image: dict[int, dict[str, dict]] = {}
@@ -556,6 +651,16 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
     for s in specs:
         acc = total((state_from_dict(per_image[i][s.key]) for i in indices), empty())
         results.rows.append(_row(s.label, acc))
+    prompted: dict[int, bool | None] = {}
+    for part in gathered_fallbacks or []:
+        prompted.update(part)
+    if any(prompted.get(i) is not None for i in indices):  # a text-conditioned backbone
+        count = sum(bool(prompted.get(i)) for i in indices)
+        for row in results.rows:
+            row["prompt_fallbacks"] = count
+        if count:
+            log.warning("%d of %d images had no class name and were prompted with the default"
+                        " class", count, len(indices))
     results.write(out_dir)
     atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg))
     print(results.markdown(), end="")
@@ -565,11 +670,32 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
     return EXIT_OK
 
 
-def _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at) -> None:
+def batch_prompts(classes: Sequence[str | None], default: str | None,
+                  names: Sequence[str]) -> list[str] | None:
+    """Per-image prompts: each image's class name, ``default`` for an image without one.
+
+    ``None`` when no image has a class name (the backbone then uses its own default).
+
+    Raises:
+        ConfigError: some images lack a class name and there is no ``default``.
+    """
+    if all(c is None for c in classes):
+        return None
+    missing = [n for n, c in zip(names, classes) if c is None]
+    if missing and default is None:
+        raise ConfigError(
+            f"{', '.join(missing)}: no class name to prompt with and model.default_class is not set"
+        )
+    return [default if c is None else c for c in classes]  # type: ignore[misc]
+
+
+def _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at, fallbacks) -> None:
     from torch.utils.data import DataLoader, Subset
     from tqdm import tqdm
 
     backbone = _instantiate_model(cfg, ctx.device)
+    prompted = hasattr(backbone, "default_class")  # text-conditioned (FLUX)
+    default_class = getattr(backbone, "default_class", None)
     panels = int(cfg.get("panels", 4) or 0)
     loader = DataLoader(
         Subset(dataset, todo),
@@ -588,7 +714,16 @@ def _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at) -> N
         capture = union_capture([s.method for s in need], backbone.num_layers)
         pixels = backbone.collate([s.image for s in batch])
         classes = [s.class_name for s in batch]
-        prompts = classes if all(c is not None for c in classes) else None
+        if prompted:
+            prompts = batch_prompts(classes, default_class, [s.name for s in batch])
+            for j, i in enumerate(idx):
+                fallbacks[i] = classes[j] is None
+            if any(c is None for c in classes):
+                log.warning("no class name for %s: prompted with the default class %r",
+                            ", ".join(s.name for s, c in zip(batch, classes) if c is None),
+                            default_class)
+        else:  # prompts are ignored; passed when every image has one
+            prompts = classes if all(c is not None for c in classes) else None
         with torch.inference_mode():
             record: AttentionRecord = backbone.extract(pixels, capture, prompts=prompts)
             targets = _targets(batch)
@@ -604,7 +739,7 @@ def _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at) -> N
                 if panel_rows:
                     _panel_tiles(panel_rows, out, targets, mask_at, s.label, dataset.task)
         for j, i in enumerate(idx):
-            cache.save(batch[j].name, states[i])
+            cache.save(batch[j].name, states[i], fallbacks.get(i))
         for j, rows in panel_rows.items():
             write_panel(out_dir / "panels" / f"{_SAFE.sub('_', batch[j].name)}.png", batch[j].image, batch[j].target, rows)
         bar.update(len(batch))

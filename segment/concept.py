@@ -137,6 +137,11 @@ class ConceptAttention(Method):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.heads != "mean" or not self.average_layers:
+            raise ValueError(
+                f"{self.name}: heads and average_layers do not apply (the method reads attention"
+                " outputs, averaged over layers and seeds); leave them unset"
+            )
         if int(self.concept) < 0:
             raise ValueError(f"{self.name}: concept must be >= 0, got {self.concept}")
         self.concept = int(self.concept)

@@ -51,8 +51,8 @@ Layers: ``layers`` selects layers (negative indices count from the end, ``null``
 With several layers, ``average_layers: true`` averages the chosen layers' attention first
 (head-fused for ``fuse: attention``, per head otherwise) and runs the method once (the
 backbone can average on the fly); ``false`` runs the method on each layer and averages the
-heatmaps. ``rollout`` instead multiplies the selected layers (``average_layers`` is refused
-there).
+heatmaps. ``rollout`` instead multiplies the selected layers and ``regions`` always averages
+their chains (``average_layers`` is refused by both).
 
 The same record can serve several methods: the evaluator captures
 ``Capture.union`` of their captures once. A method then fuses heads and averages layers
@@ -540,6 +540,8 @@ class TokenRank(_ChainMethod):
 
 _CHAINS = ("attention", "keys", "mix")
 _SEEDS = ("auto", "all", "grid", "tokenrank")
+_KEY_FUSE = ("similarity", "chain", "concat")
+_DECIDE = ("proposals", "regions")
 
 
 @dataclass
@@ -550,7 +552,8 @@ class RegionGrow(Method):
        attention (``chain: attention``), the key-similarity chain
        ``softmax(cos(k_i, k_j) / key_temperature)`` (``keys``), or their mixture
        ``(1 - key_weight) P_attn + key_weight P_keys`` (``mix``); heads fused by ``heads``
-       (``mean`` or ``lambda2``: weights from ``|lambda_2|`` of each head's chain);
+       (``mean`` or ``lambda2``: weights from ``|lambda_2|`` of each head's chain); with
+       several ``layers`` their chains are averaged (``average_layers`` is refused);
     2. seeds: every token (``all``), a grid every ``seed_stride`` tokens (``grid``, the
        DiffSeg baseline), the ``num_seeds`` top TokenRank tokens of ``P`` with a
        suppression window of ``seed_radius`` tokens (``tokenrank``), or ``auto``: every
@@ -593,20 +596,35 @@ class RegionGrow(Method):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.chain not in _CHAINS:
-            raise ValueError(f"{self.name}: chain must be one of {_CHAINS}, got {self.chain!r}")
-        if self.seeds not in _SEEDS:
-            raise ValueError(f"{self.name}: seeds must be one of {_SEEDS}, got {self.seeds!r}")
-        if int(self.steps) < 1:
-            raise ValueError(f"{self.name}: steps must be >= 1, got {self.steps}")
+        if self.average_layers:
+            raise ValueError(
+                f"{self.name}: average_layers is not a knob of regions: the chains of the"
+                " selected layers are always averaged (set layers instead)"
+            )
+        for knob, allowed in (("chain", _CHAINS), ("key_fuse", _KEY_FUSE), ("seeds", _SEEDS),
+                              ("decide", _DECIDE)):
+            if getattr(self, knob) not in allowed:
+                raise ValueError(
+                    f"{self.name}: {knob} must be one of {allowed}, got {getattr(self, knob)!r}"
+                )
+        for knob, low in (("steps", 1), ("max_seeds", 1), ("seed_stride", 1), ("num_seeds", 1),
+                          ("seed_radius", 0), ("iterations", 1), ("refine_steps", 0),
+                          ("refine_radius", 1), ("refine_dilation", 1)):
+            value = getattr(self, knob)
+            if isinstance(value, bool) or int(value) != value or value < low:
+                raise ValueError(f"{self.name}: {knob} must be an integer >= {low}, got {value!r}")
+        for knob in ("tau", "key_temperature", "sigma_space", "sigma_color"):
+            if not float(getattr(self, knob)) > 0:
+                raise ValueError(f"{self.name}: {knob} must be > 0, got {getattr(self, knob)!r}")
         if not 0.0 <= float(self.key_weight) <= 1.0:
             raise ValueError(f"{self.name}: key_weight must lie in [0, 1], got {self.key_weight}")
-        if not float(self.tau) > 0 or not float(self.key_temperature) > 0:
-            raise ValueError(f"{self.name}: tau and key_temperature must be > 0")
         if not 0.0 <= float(self.min_area) < 1.0:
             raise ValueError(f"{self.name}: min_area is a fraction of the image in [0, 1)")
-        if self.decide not in ("proposals", "regions"):
-            raise ValueError(f"{self.name}: decide must be proposals/regions, got {self.decide!r}")
+        if self.chain == "keys" and self.key_fuse == "concat" and self.heads != "mean":
+            raise ValueError(
+                f"{self.name}: heads={self.heads} has no effect with chain=keys and"
+                " key_fuse=concat (one chain from the concatenated keys of all heads)"
+            )
         self._score = ClsAttention(name=f"{self.name}.score", layers=self.score_layers,
                                    heads="mean")
 

@@ -60,11 +60,12 @@ def key_chain(keys: Tensor, temperature: float = 0.05) -> Tensor:
         temperature: softmax temperature of the cosine similarities (> 0).
 
     Returns:
-        ``(..., n, n)`` row-stochastic (and symmetric-kernel, hence reversible) chain.
+        ``(..., n, n)`` row-stochastic (and symmetric-kernel, hence reversible) chain, in
+        float64 for float64 keys and float32 otherwise.
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    k = F.normalize(keys.float(), dim=-1)
+    k = F.normalize(keys.to(markov.compute_dtype(keys.dtype)), dim=-1)
     return torch.softmax(k @ k.transpose(-1, -2) / temperature, dim=-1)
 
 

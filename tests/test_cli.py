@@ -137,5 +137,7 @@ def test_cli_dinov2_masks_match_ecssd_ground_truth(tmp_path, dinov2_weights, ecs
         correct += (m == gt).sum()
         total += gt.size
     iou, acc = inter / union, correct / total
-    # last-layer CLS attention on this backbone: ~0.73 mIoU / 0.88 acc on all 100 (REFERENCE.md)
-    assert iou > 0.5 and acc > 0.75, (iou, acc)
+    # measured on these 12 images: the default method (regions) 0.799 foreground IoU / 0.948
+    # accuracy; CLS attention (method=cls_attention, the default's floor) 0.574 / 0.868, so
+    # a default that degrades towards CLS attention, or misplaced masks, fail here
+    assert iou > 0.76 and acc > 0.93, (iou, acc)

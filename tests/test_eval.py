@@ -254,6 +254,56 @@ def test_resume_after_interrupt_and_new_methods(folder, tmp_path, counting):
     assert rows[:2] == fresh
 
 
+def _poison_cache(out: Path) -> None:
+    """Overwrite every cached binary state with a perfect score (pixAcc 100)."""
+    for f in (out / "cache").glob("*/*.json"):
+        data = json.loads(f.read_text())
+        for st in data["methods"].values():
+            st["correct"] = st["labeled"]
+        f.write_text(json.dumps(data))
+
+
+def test_metric_cache_is_keyed_by_version_and_code(folder, tmp_path, monkeypatch, caplog):
+    """A rerun into the same output after an upgrade or a code change rescoring everything
+    (never old numbers), and the log says how many results were reused."""
+    import logging
+
+    out = tmp_path / "out"
+    cfg = cfg_for(*TINY, "dataset=folder", f"dataset.root={folder}", f"output={out}",
+                  "limit=3", "methods=[rollout]")
+    assert run_eval(cfg) == EXIT_OK
+    fresh = read_rows(out)
+    assert all(r["pixAcc"] < 100 for r in fresh)
+    _poison_cache(out)
+    caplog.set_level(logging.INFO, logger="segment.eval.runner")
+    assert run_eval(cfg) == EXIT_OK  # same code: the (poisoned) cache is used
+    assert all(r["pixAcc"] == 100 for r in read_rows(out))
+    assert "reused 6 of 6 per-image results" in caplog.text
+
+    caplog.clear()
+    monkeypatch.setattr("segment.__version__", "99.0")  # an upgrade
+    assert run_eval(cfg) == EXIT_OK
+    assert read_rows(out) == fresh
+    assert "reused 0 of 6 per-image results" in caplog.text
+    assert "1 other cache folder" in caplog.text
+
+    # a change to the source of one method's module rescored that method only
+    _poison_cache(out)
+    real = runner._module_source
+    edited = lambda name: real(name) + (b"# edited" if name == "segment.methods" else b"")  # noqa: E731
+    monkeypatch.setattr(runner, "_module_source", edited)
+    caplog.clear()
+    assert run_eval(cfg) == EXIT_OK
+    assert read_rows(out) == fresh
+    assert "reused 0 of 6" in caplog.text
+    rollout = runner.MethodSpec("rollout", resolve_methods(cfg)[1].cfg)
+    rollout.method = runner.instantiate_method(rollout)
+    before = runner.method_key(rollout)
+    monkeypatch.setattr(runner, "_module_source", real)
+    assert runner.method_key(rollout) != before
+    assert runner.method_key(rollout).startswith(rollout.key + "-")  # config hash + code hash
+
+
 def test_limit_and_errors(folder, tmp_path, capsys):
     out = tmp_path / "out"
     assert run_eval(cfg_for(*TINY, f"dataset.root={folder}", f"output={out}", "limit=2")) == EXIT_OK
@@ -302,6 +352,41 @@ def test_class_names_reach_the_backbone_as_prompts(tmp_path, counting, monkeypat
     assert run_eval(cfg) == EXIT_OK
     assert seen == [["dog", "goldfish", "orange"]]
     assert read_rows(out)[0]["images"] == 3
+
+
+def test_unknown_class_falls_back_per_image_and_is_counted(tmp_path, counting, monkeypatch):
+    """One image with an unknown synset: only that image is prompted with the default class
+    (the others keep theirs), and results.json counts the fallback."""
+    from test_datasets import write_gtsegs
+
+    rng = np.random.default_rng(0)
+    ims = [rng.integers(0, 256, (30, 30, 3), dtype=np.uint8) for _ in range(3)]
+    masks = [rng.random((30, 30)) > 0.5 for _ in range(3)]
+    write_gtsegs(tmp_path / "gtsegs_ijcv.mat", ims, masks, ["n02084071", "n00000042", "n07747607"])
+    seen = []
+    orig = CountingBackbone.extract
+
+    def spy(self, pixels, capture, prompts=None):
+        seen.append(prompts)
+        return orig(self, pixels, capture, prompts=prompts)
+
+    monkeypatch.setattr(CountingBackbone, "extract", spy)
+    monkeypatch.setattr(CountingBackbone, "default_class", "object", raising=False)  # as FLUX
+    out = tmp_path / "out"
+    cfg = cfg_for(*TINY, "dataset=imagenet_seg", f"dataset.root={tmp_path}", f"output={out}",
+                  "batch_size=3")
+    with pytest.warns(UserWarning, match="unknown synset"):
+        assert run_eval(cfg) == EXIT_OK
+    assert seen == [["dog", "object", "orange"]]
+    rows = read_rows(out)
+    assert rows[0]["prompt_fallbacks"] == 1 and rows[0]["images"] == 3
+    assert run_eval(cfg) == EXIT_OK  # everything from the cache: still counted
+    assert seen == [["dog", "object", "orange"]] and read_rows(out)[0]["prompt_fallbacks"] == 1
+    # without a default class the image cannot be prompted: a clear error, not a silent guess
+    assert runner.batch_prompts(["dog", None], "object", ["a", "b"]) == ["dog", "object"]
+    assert runner.batch_prompts([None, None], "object", ["a", "b"]) is None
+    with pytest.raises(runner.ConfigError, match="b: no class name"):
+        runner.batch_prompts(["dog", None], None, ["a", "b"])
 
 
 # ------------------------------------------------------------------------------ multi-class

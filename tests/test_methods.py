@@ -291,7 +291,10 @@ def test_records_that_cannot_serve_a_method_are_refused():
         ClsAttention(layers=[0])(record({1: a[1]}, VIT, num_layers=2))
     with pytest.raises(ValueError, match="num_layers"):
         ClsAttention()(AttentionRecord(attn={1: a[1]}, layout=VIT, image_size=(28, 42)))
-    assert ClsAttention(layers=[1])(AttentionRecord(attn={1: a[1]}, layout=VIT, image_size=(1, 1)))
+    # without num_layers, non-negative layer indices still work: the CLS row of layer 1
+    got = ClsAttention(layers=[1])(AttentionRecord(attn={1: a[1]}, layout=VIT, image_size=(1, 1)))
+    want = a[1].mean(1)[:, 0, 1:].reshape(1, 2, 3)
+    torch.testing.assert_close(got.heatmap, want, atol=1e-15, rtol=0)
 
 
 @pytest.mark.parametrize("kw", [

@@ -86,6 +86,17 @@ def test_ap_of_constant_heatmap_is_finite():
     assert np.isfinite(ref)
 
 
+def _sklearn_pooled_ap(r: torch.Tensor, g: torch.Tensor) -> float:
+    """Protocol §3 AP straight from scikit-learn: pooled scores ``[1-R, R]`` against targets
+    ``[1-G, G]``, NaN -> 0 (independent of the code under test)."""
+    from sklearn.metrics import average_precision_score
+
+    r = r.float().flatten().numpy()  # the heatmap's own precision (float32)
+    g = g.flatten().numpy().astype(np.int64)
+    ap = average_precision_score(np.r_[1 - g, g], np.r_[np.float32(1) - r, r])
+    return 0.0 if np.isnan(ap) else float(ap)
+
+
 def _chefer_reference(heat: torch.Tensor, gt: torch.Tensor):
     """Re-implementation of the published evaluation loop (two channels, argmax, sums)."""
     tot_correct = tot_label = 0
@@ -103,7 +114,7 @@ def _chefer_reference(heat: torch.Tensor, gt: torch.Tensor):
         for c in range(2):
             tot_inter[c] += int(((predict == c) & (target == c)).sum())
             tot_union[c] += int(((predict == c) | (target == c)).sum())
-        aps.append(pooled_average_precision(r, g))
+        aps.append(_sklearn_pooled_ap(r, g))
     acc = tot_correct / tot_label
     iou = tot_inter / tot_union
     return acc, iou.mean(), float(np.mean(aps))

@@ -164,6 +164,148 @@ def test_region_scores_hand_computed():
     assert rg.region_scores(lab, score).tolist() == [[2.0, 6.0, 1.0]]
 
 
+# ------------------------------------------------------------- key chain, float64 references
+
+
+def np_softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def np_cos(k: np.ndarray) -> np.ndarray:
+    kn = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    return kn @ np.swapaxes(kn, -1, -2)
+
+
+def np_lambda2(p: np.ndarray) -> float:
+    ev = np.linalg.eigvals(p)
+    ev = np.delete(ev, np.argmin(np.abs(ev - 1)))
+    return float(np.abs(ev).max())
+
+
+def test_key_chain_hand_computed():
+    """Keys e1, 2 e2, e1 + e2: cosines 0 and 1/sqrt(2); P = softmax(cos / T) row-wise."""
+    k = torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]], dtype=torch.float64)
+    c = 1 / math.sqrt(2)
+    for t in (0.5, 0.05):
+        got = rg.key_chain(k, t)
+        assert got.dtype == torch.float64
+        rows = [[1, 0, c], [0, 1, c], [c, c, 1]]
+        want = [[math.exp(x / t) / sum(math.exp(y / t) for y in r) for x in r] for r in rows]
+        torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), atol=1e-15, rtol=0)
+    # the temperature: softmax(x / 2T) is proportional to sqrt(softmax(x / T))
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 3, 10, 5, generator=g, dtype=torch.float64)
+    p1, p2 = rg.key_chain(keys, 0.1), rg.key_chain(keys, 0.2)
+    root = p1.sqrt()
+    torch.testing.assert_close(p2, root / root.sum(-1, keepdim=True), atol=1e-14, rtol=0)
+    torch.testing.assert_close(rg.key_chain(3.0 * keys, 0.1), p1, atol=1e-14, rtol=0)  # cosine
+    want = np_softmax(np_cos(keys.numpy()) / 0.1)
+    np.testing.assert_allclose(p1.numpy(), want, atol=1e-14, rtol=0)
+    # float32 keys: float32 compute, close to the float64 reference
+    p32 = rg.key_chain(keys.float(), 0.1)
+    assert p32.dtype == torch.float32
+    np.testing.assert_allclose(p32.numpy(), want, atol=2e-6, rtol=0)
+    with pytest.raises(ValueError, match="temperature"):
+        rg.key_chain(keys, 0.0)
+
+
+KEY_LAYOUT = TokenLayout(num_tokens=1 + 2 * 4, prefix=1, grid=(2, 4), cls_index=0)
+
+
+def _key_record(num_layers: int = 1, seed: int = 0) -> AttentionRecord:
+    """float64 attention and keys (B = 2, H = 3, CLS + 2 x 4 grid, D = 5) per layer."""
+    g = torch.Generator().manual_seed(seed)
+    attn, keys = {}, {}
+    for i in range(num_layers):
+        a = torch.rand(2, 3, 9, 9, generator=g, dtype=torch.float64) ** 3 + 1e-3
+        attn[i] = a / a.sum(-1, keepdim=True)
+        keys[i] = torch.randn(2, 3, 9, 5, generator=g, dtype=torch.float64)
+    return AttentionRecord(attn=attn, keys=keys, layout=KEY_LAYOUT, image_size=(28, 56),
+                           num_layers=num_layers)
+
+
+def np_key_chain(keys: np.ndarray, t: float, heads: str, fuse: str) -> np.ndarray:
+    """Reference of RegionGrow's key chain for one image: keys ``(H, N, D)`` with the CLS
+    prefix, float64 numpy."""
+    k = keys[:, 1:]  # grid tokens
+    if fuse == "concat":
+        return np_softmax(np_cos(np.concatenate(list(k), axis=-1)) / t)
+    cos = np_cos(k)  # (H, n, n)
+    per_head = np_softmax(cos / t)
+    if heads == "mean":
+        w = np.full(len(k), 1 / len(k))
+    else:
+        lam = np.array([np_lambda2(p) for p in per_head])
+        w = lam / lam.sum()
+    if fuse == "chain":
+        return np.einsum("h,hij->ij", w, per_head)
+    return np_softmax(np.einsum("h,hij->ij", w, cos) / t)  # similarity
+
+
+KEY_VARIANTS = [("mean", "similarity"), ("lambda2", "similarity"), ("mean", "chain"),
+                ("lambda2", "chain"), ("mean", "concat")]  # lambda2 + concat is refused
+
+
+@pytest.mark.parametrize("heads,fuse", KEY_VARIANTS)
+def test_region_key_chain_head_fusion_matches_float64_reference(heads, fuse):
+    rec = _key_record()
+    m = RegionGrow(chain="keys", heads=heads, key_fuse=fuse, key_temperature=0.3)
+    got = m.grid_chain(rec)
+    assert got.dtype == torch.float64 and got.shape == (2, 8, 8)
+    for b in range(2):
+        want = np_key_chain(rec.keys[0][b].numpy(), 0.3, heads, fuse)
+        np.testing.assert_allclose(got[b].numpy(), want, atol=1e-10, rtol=0)
+    for h, f in KEY_VARIANTS:  # each variant is a different chain
+        if (h, f) != (heads, fuse):
+            other = np_key_chain(rec.keys[0][0].numpy(), 0.3, h, f)
+            assert np.abs(got[0].numpy() - other).max() > 1e-4, (h, f)
+
+
+def test_region_mix_chain_matches_float64_reference():
+    """The default chain: (1 - w) P_attention + w P_keys per layer, layers averaged."""
+    rec = _key_record(num_layers=2, seed=1)
+    m = RegionGrow(layers=[0, 1], key_weight=0.3, key_temperature=0.2)
+    assert m.chain == "mix" and m.heads == "mean" and m.key_fuse == "similarity"  # the defaults
+    got = m.grid_chain(rec)
+    for b in range(2):
+        layers = []
+        for i in (0, 1):
+            a = rec.attn[i][b].numpy()[:, 1:, 1:]
+            p_att = (a / a.sum(-1, keepdims=True)).mean(0)
+            p_key = np_key_chain(rec.keys[i][b].numpy(), 0.2, "mean", "similarity")
+            layers.append(0.7 * p_att + 0.3 * p_key)
+        np.testing.assert_allclose(got[b].numpy(), np.mean(layers, 0), atol=1e-13, rtol=0)
+
+
+def planted_keys(lab: torch.Tensor, heads: int = 2, dim: int = 8, noise: float = 0.1,
+                 seed: int = 0) -> torch.Tensor:
+    """``(1, H, 1 + n, D)`` keys: one random centre per planted block plus noise (CLS random)."""
+    g = torch.Generator().manual_seed(seed)
+    flat = lab.flatten()
+    out = torch.zeros(1, heads, 1 + flat.numel(), dim)
+    for h in range(heads):
+        centres = torch.randn(int(flat.max()) + 1, dim, generator=g)
+        out[0, h, 1:] = centres[flat] + noise * torch.randn(flat.numel(), dim, generator=g)
+        out[0, h, 0] = torch.randn(dim, generator=g)
+    return out
+
+
+def test_default_mix_chain_recovers_planted_regions_the_attention_chain_misses():
+    """Weak attention structure (eps = 0.7) with block-structured keys: the default recipe
+    (chain: mix) recovers the three blocks and the CLS-attended foreground exactly; the
+    attention chain alone does not, so the key half of the mixture does the work."""
+    rec = planted_record(eps=0.7)
+    rec.keys = {0: planted_keys(planted_labels(8, 8))}
+    up = planted_labels(8, 8).repeat_interleave(4, 0).repeat_interleave(4, 1)
+    out = RegionGrow()(rec)  # every knob at its default (no pixels: no refinement)
+    assert same_partition(out.labels[0], up)
+    _, mask = to_masks(out, (32, 32))
+    assert torch.equal(mask[0], up == 1)
+    attention_only = RegionGrow(chain="attention")(rec)
+    assert not same_partition(attention_only.labels[0], up)
+
+
 # --------------------------------------------------------------------------- the method
 
 
@@ -213,6 +355,20 @@ def test_region_grow_capture_and_bad_records():
         RegionGrow(chain="nope")
     with pytest.raises(ValueError, match="seeds must be one of"):
         RegionGrow(seeds="random")
+    with pytest.raises(ValueError, match="key_fuse must be one of"):
+        RegionGrow(key_fuse="similarty")  # a typo used to run silently as "similarity"
+    with pytest.raises(ValueError, match="decide must be one of"):
+        RegionGrow(decide="region")
+    with pytest.raises(ValueError, match="average_layers is not a knob of regions"):
+        RegionGrow(layers=[-1, -2], average_layers=True)
+    with pytest.raises(ValueError, match="no effect"):
+        RegionGrow(chain="keys", key_fuse="concat", heads="lambda2")
+    for knob, bad in [("max_seeds", 0), ("seed_stride", 0), ("num_seeds", 0), ("seed_radius", -1),
+                      ("iterations", 0), ("refine_steps", -1), ("refine_radius", 0),
+                      ("refine_dilation", 0), ("steps", 1.5), ("sigma_space", 0.0),
+                      ("sigma_color", -1.0), ("tau", 0.0), ("key_temperature", 0.0)]:
+        with pytest.raises(ValueError, match=knob):
+            RegionGrow(**{knob: bad})
 
 
 def test_region_grow_on_tiny_random_vit():
@@ -322,5 +478,8 @@ def test_multiclass_experiment_grid_vs_tokenrank_seeds(tmp_path):
     assert run_eval(cfg) == 0
     rows = json.loads((out / "results.json").read_text())
     assert [r["method"] for r in rows] == ["grid_seeds", "tokenrank_seeds"]
-    for r in rows:
-        assert r["images"] == 2 and 0 <= r["ACC"] <= 100 and len(r["iou"]) == 27
+    for r in rows:  # two flat halves: both rows split them exactly (measured: 100 / 100)
+        assert r["images"] == 2 and len(r["iou"]) == 27
+        assert r["ACC"] == pytest.approx(100.0) and r["mIoU"] == pytest.approx(100.0)
+        seen = {c: x for c, x in enumerate(r["iou"]) if x is not None}
+        assert seen == {0: pytest.approx(100.0), 16: pytest.approx(100.0)}  # road, sky only
