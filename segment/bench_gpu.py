@@ -276,7 +276,6 @@ class SelfCheck:
                 self.add("capture", f"{spec['name']} {label} CLS mask", "share differing off the threshold",
                          mask_disagreement(ha, hb, band=BF16_MASK_BAND), TOL_BF16_MASK,
                          note=f"band {BF16_MASK_BAND}")
-            del model
         return ref_model, x
 
     def _compare_outputs(self, group: str, name: str, ref, got, t_cpu: float | None, t_dev: float | None,
@@ -410,7 +409,6 @@ class SelfCheck:
                                       self.device)
                 self._compare_outputs("flux", f"flux_tiny {n}, {tag}", ref_out[n], out, None, t_m,
                                       ref.image_size)
-            del model
         err = max((got[True].attn[i].float() - got[False].attn[i].float()).abs().max().item() for i in ref.attn)
         self.add("flux", "flux_tiny offload vs no offload (same device)", "max_abs attention", err, TOL_OFFLOAD)
 
