@@ -97,8 +97,14 @@ def counting(monkeypatch):
     return made
 
 
-def read_rows(out: Path) -> list[dict]:
-    return json.loads((out / "results.json").read_text())
+def read_rows(out: Path, timing: bool = False) -> list[dict]:
+    """The rows of results.json; without the run's timing fields unless ``timing``."""
+    rows = json.loads((out / "results.json").read_text())
+    if not timing:
+        for r in rows:
+            for k in runner.TIMING_KEYS:
+                r.pop(k)
+    return rows
 
 
 # ------------------------------------------------------------------------------ configs
@@ -236,12 +242,16 @@ def test_resume_after_interrupt_and_new_methods(folder, tmp_path, counting):
     assert run_eval(cfg_for(*base, "methods=[rollout]")) == EXIT_OK
     assert counting[-1].batches == [2, 1]  # only the 3 images not cached
     assert read_rows(out) == fresh  # same numbers as an uninterrupted run
+    (row,) = [r for r in read_rows(out, timing=True) if r["method"] == "rollout"]
+    assert row["images_per_s"] > 0 and row["method_ms_per_image"] > 0  # measured on 3 images
 
     # nothing left to do: the backbone is not even built
     counting.clear()
     assert run_eval(cfg_for(*base, "methods=[rollout]")) == EXIT_OK
     assert counting == []
     assert read_rows(out) == fresh
+    assert all(r["images_per_s"] is None and r["method_ms_per_image"] is None
+               for r in read_rows(out, timing=True))  # nothing measured: all from the cache
 
     # a new method: only it is computed, from a capture of just what it needs
     assert run_eval(cfg_for(*base, "methods=[rollout,bounce]")) == EXIT_OK
