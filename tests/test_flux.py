@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from segment.eval.runner import TIMING_KEYS
 from segment.concept import ConceptAttention, concept_heatmaps
+from segment.eval.runner import TIMING_KEYS
 from segment.models.flux import (
     FluxInputs,
     attention_probs,
