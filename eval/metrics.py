@@ -230,22 +230,43 @@ def _ap_of_sorted_keys(keys: Tensor | np.ndarray) -> Tensor:
         num = (y * (above.double() / (n - s).double())).sum(1)
         pf = p.double()
         return torch.where(pf > 0, num / pf.clamp_min(1.0), torch.zeros_like(num))
-    b, n = keys.shape  # CPU path (numpy), the same formula
-    y = keys & 1
-    v = keys >> 1
-    new = v[:, 1:] != v[:, :-1]
-    c = np.cumsum(y, 1, dtype=np.int64) - y
-    p = c[:, -1] + y[:, -1]
-    if new.all():  # no ties (the usual case): every sample is its own threshold
-        s = np.broadcast_to(np.arange(n), keys.shape)
-        above = p[:, None] - c
-    else:
-        first = np.concatenate([np.ones((b, 1), bool), new], axis=1)
-        s = np.maximum.accumulate(np.where(first, np.arange(n), 0), axis=1)
-        above = p[:, None] - np.take_along_axis(c, s, 1)
-    num = (y * (above / (n - s))).sum(1)
-    pf = p.astype(np.float64)
-    return torch.from_numpy(np.where(pf > 0, num / np.maximum(pf, 1.0), 0.0))
+    return torch.from_numpy(_ap_of_sorted_keys_np(keys))
+
+
+def _ap_of_sorted_keys_np(keys: np.ndarray) -> np.ndarray:
+    """The CPU path of :func:`_ap_of_sorted_keys` for pooled rows (exactly ``n / 2``
+    positives per row), touching the full arrays only a few times.
+
+    Without ties, the ``r``-th positive (ascending index ``i_r``) has ``C = r`` positives
+    before it, so its term is ``(P - r) / (n - i_r)``. Samples tied with their predecessor
+    (found sparsely) are corrected to the term of their tie group's start.
+    """
+    b, n = keys.shape
+    p = n // 2
+    y = (keys & 1).astype(bool).ravel()
+    pos = np.flatnonzero(y)  # global indices (row * n + i) of the positives, ascending
+    if pos.size != b * p:
+        raise ValueError("pooled keys must hold exactly n / 2 positives per row")
+    row_off = (np.arange(b) * n)[:, None]
+    i = pos.reshape(b, p) - row_off
+    r = np.arange(p)
+    total = ((p - r) / (n - i)).sum(1)
+    v = (keys >> 1).ravel()
+    eq = v[1:] == v[:-1]
+    eq[n - 1:: n] = False  # no tie across rows
+    tied = np.flatnonzero(eq) + 1  # global positions tied with their predecessor
+    if tied.size:
+        brk = np.ones(tied.size, bool)
+        brk[1:] = tied[1:] != tied[:-1] + 1
+        start = (tied[brk] - 1)[np.cumsum(brk) - 1]  # the group start of every tied sample
+        q = y[tied]
+        tq, sq = tied[q], start[q]
+        row = tq // n
+        rank = np.searchsorted(pos, tq) - row * p  # C at the sample itself (no ties)
+        c_start = np.searchsorted(pos, sq) - row * p  # positives before the group start
+        corr = (p - c_start) / (n - (sq - row * n)) - (p - rank) / (n - (tq - row * n))
+        total += np.bincount(row, weights=corr, minlength=b)
+    return total / p
 
 
 def pooled_average_precisions(score: Tensor, gt: Tensor) -> Tensor:

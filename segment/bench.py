@@ -5,6 +5,7 @@ same run; never timed tests).
     python -m segment.bench regions   [--sizes 224 448] [--batch 8] [--weights PATH]
     python -m segment.bench pipeline  ...   (segment.bench_pipeline)
     python -m segment.bench flux      ...   (segment.bench_flux)
+    python -m segment.bench eval      ...   (segment.bench_eval)
 
 ``markov``: TokenRank and ``|lambda_2|`` on real DINOv2 ViT-S/14 attention heads (the
 shared weights, or ``--weights``; synthetic attention-like chains otherwise) against dense
@@ -204,8 +205,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         from segment.bench_flux import main as run
 
         run(rest)
+    elif what == "eval":
+        from segment.bench_eval import main as run
+
+        run(rest)
     else:
-        raise SystemExit(f"unknown benchmark {what!r}: choose markov, regions, pipeline or flux")
+        raise SystemExit(f"unknown benchmark {what!r}: choose markov, regions, pipeline, flux or eval")
 
 
 if __name__ == "__main__":
