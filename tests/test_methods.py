@@ -355,3 +355,36 @@ def test_all_methods_on_one_union_record_of_a_tiny_vit():
         a, b = m(shared).heatmap, m(own).heatmap
         assert a.shape == (2, 16, 22) and bool(torch.isfinite(a).all()) and bool((a >= 0).all())
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), m
+
+
+def test_lambda2_weights_shared_by_methods_of_one_record(monkeypatch):
+    # the lambda2-weighted methods of one record compute |lambda_2| of its heads once;
+    # another attention tensor (even with equal contents) is computed anew
+    import segment.methods as methods_mod
+    from segment import markov
+
+    calls = []
+    real = markov.lambda2
+
+    def counting(chain, *a, **kw):
+        calls.append(chain.shape)
+        return real(chain, *a, **kw)
+
+    monkeypatch.setattr(markov, "lambda2", counting)
+    a = stochastic(2, 3, 7, 7, seed=4)
+    rec = record({0: a}, VIT)
+    ms = [ClsAttention(name="c", layers=[0], heads="lambda2"),
+          TokenRank(name="t", layers=[0], heads="lambda2"),
+          Bounce(name="b", layers=[0], heads="lambda2", steps=2)]
+    outs = [m(rec) for m in ms]
+    bounce_and_tokenrank = len(calls)
+    assert bounce_and_tokenrank == 2  # TokenRank and Bounce share one; ClsAttention fuses the attention
+    rec2 = record({0: a.clone()}, VIT)
+    again = [m(rec2) for m in ms]
+    assert len(calls) == 2 * bounce_and_tokenrank
+    for o, p in zip(outs, again):
+        assert torch.equal(o.heatmap, p.heatmap)
+    # the memo is keyed on the tensor object: the chain equals a fresh computation
+    chain = methods_mod.patch_chain(a, VIT)
+    assert chain is methods_mod.patch_chain(a, VIT)
+    np.testing.assert_allclose(chain.numpy(), np_patch_chain(a.numpy(), G))
