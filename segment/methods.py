@@ -292,6 +292,9 @@ class Method(abc.ABC):
         attn = _as_compute(attn)
         if not self._fuse_first or attn.shape[1] == 1:
             return attn
+        if self.heads == "lambda2":  # as fuse_layer, with |lambda_2| shared by the record's methods
+            w = grid_weights(patch_chain(attn, layout), "lambda2")
+            return markov.fuse_heads(attn, w).unsqueeze(1)
         return fuse_layer(attn, self.heads, layout)[0]
 
     def _inputs(self, record: AttentionRecord) -> list[Tensor]:
