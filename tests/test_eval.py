@@ -433,3 +433,20 @@ def test_ecssd_dev_cls_attention_matches_reference(ecssd_dev, dinov2_weights, tm
     # rollout (REFERENCE.md: 77.66 / 57.57 / 63.48 / 86.98) as a second fidelity check
     for k, v in {"pixAcc": 77.66, "mIoU": 57.57, "mIoU_CA": 63.48, "mAP": 86.98}.items():
         assert rows["rollout"][k] == pytest.approx(v, abs=0.1), (k, rows["rollout"][k], v)
+
+
+def test_eval_benchmark_runs_and_reports_both_ratios(folder, tmp_path, monkeypatch, capsys):
+    # `python -m segment.bench eval` on a tiny random model: 9 methods, ratios printed
+    from segment.bench_eval import main
+
+    monkeypatch.delenv("SEGMENT_SHARED", raising=False)
+    out = tmp_path / "bench.json"
+    assert main(["--root", str(folder), "--images", "3", "--batch", "2", "--repeats", "1",
+                 "--size", "56", "--json", str(out), "model=vit_tiny_random"]) == 0
+    res = json.loads(out.read_text())
+    assert res["methods"] == 9 and res["images"] == 3
+    assert res["eval_median"] > 0 and res["bare_forward_median"] > 0 and res["cpu_ratio"] > 0
+    assert res["ratio"] == pytest.approx(res["eval_median"] / res["bare_forward_median"], abs=1e-3)
+    assert all(v is not None and v >= 0 for v in res["method_ms_per_image"].values())
+    printed = capsys.readouterr().out
+    assert "ratio" in printed and "target >= 0.5" in printed
