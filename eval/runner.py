@@ -386,11 +386,29 @@ def _method_maps(out: MethodOutput, sizes: list[tuple[int, int]], mask_at: str) 
 
 
 def score_binary(out: MethodOutput, targets: list[Tensor], mask_at: str) -> list[BinaryState]:
-    maps = _method_maps(out, [tuple(t.shape) for t in targets], mask_at)
-    states = []
-    for (r, m), t in zip(maps, targets):
-        states.extend(binary_states(r[None].cpu(), m[None].cpu(), t[None].bool()))
-    return states
+    return score_binary_many([out], targets, mask_at)[0]
+
+
+def score_binary_many(outs: Sequence[MethodOutput], targets: list[Tensor], mask_at: str) -> list[list[BinaryState]]:
+    """Per method, per image states of several methods' outputs on one batch.
+
+    The maps stay on the methods' device; every (method, image) pair of one target size is
+    scored in one batched call (AP by one sort per row, :func:`binary_states`).
+    """
+    sizes = [tuple(t.shape) for t in targets]
+    maps = [_method_maps(out, sizes, mask_at) for out in outs]
+    res: list[list[BinaryState | None]] = [[None] * len(targets) for _ in outs]
+    groups: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for m in range(len(outs)):
+        for i, size in enumerate(sizes):
+            groups.setdefault(size, []).append((m, i))
+    for pairs in groups.values():
+        r = torch.stack([maps[m][i][0] for m, i in pairs])
+        pred = torch.stack([maps[m][i][1] for m, i in pairs])
+        gt = torch.stack([targets[i] for _, i in pairs]).to(r.device).bool()
+        for (m, i), st in zip(pairs, binary_states(r, pred, gt)):
+            res[m][i] = st
+    return res  # type: ignore[return-value]
 
 
 def score_multiclass(out: MethodOutput, targets: list[Tensor], num_classes: int, label: str) -> list[MulticlassState]:
@@ -635,9 +653,10 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
         )
 
     t0 = time.perf_counter()
+    timing = _Timing()
     if todo:
-        _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at, fallbacks)
-    elapsed = time.perf_counter() - t0
+        _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at, fallbacks, timing)
+    elapsed = time.perf_counter() - t0 - timing.build_s
 
     gathered = dist.gather({i: {k: v.to_dict() for k, v in st.items()} for i, st in states.items()}, ctx)
     gathered_fallbacks = dist.gather(fallbacks, ctx)
@@ -650,7 +669,11 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
     results = Results(task=dataset.task)
     for s in specs:
         acc = total((state_from_dict(per_image[i][s.key]) for i in indices), empty())
-        results.rows.append(_row(s.label, acc))
+        row = _row(s.label, acc)
+        scored = timing.images.get(s.key, 0)
+        row["images_per_s"] = round(len(todo) / elapsed, 4) if todo and scored else None
+        row["method_ms_per_image"] = round(1e3 * timing.method_s[s.key] / scored, 3) if scored else None
+        results.rows.append(row)
     prompted: dict[int, bool | None] = {}
     for part in gathered_fallbacks or []:
         prompted.update(part)
@@ -689,13 +712,34 @@ def batch_prompts(classes: Sequence[str | None], default: str | None,
     return [default if c is None else c for c in classes]  # type: ignore[misc]
 
 
-def _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at, fallbacks) -> None:
+@dataclass
+class _Timing:
+    """Where the scoring time of this rank went (seconds) and how many images each method
+    scored now (not from the cache)."""
+
+    method_s: dict[str, float] = field(default_factory=dict)
+    images: dict[str, int] = field(default_factory=dict)
+    methods_and_scoring_s: float = 0.0
+    build_s: float = 0.0  # building the backbone (not counted in images_per_s)
+
+
+TIMING_KEYS = ("images_per_s", "method_ms_per_image")
+"""Keys of a results row that are measurements of this run, not scores: ``images_per_s``,
+the images scored per second by the whole run (reading, one backbone pass, every method,
+scoring; rank 0); ``method_ms_per_image``, this method's own time per image. ``null``
+when the row came from the metric cache only."""
+
+
+def _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at, fallbacks,
+           timing: _Timing) -> None:
     from torch.utils.data import DataLoader, Subset
     from tqdm import tqdm
 
+    t_build = time.perf_counter()
     backbone = _instantiate_model(cfg, ctx.device)
     prompted = hasattr(backbone, "default_class")  # text-conditioned (FLUX)
     default_class = getattr(backbone, "default_class", None)
+    timing.build_s = time.perf_counter() - t_build
     panels = int(cfg.get("panels", 4) or 0)
     loader = DataLoader(
         Subset(dataset, todo),
@@ -728,16 +772,23 @@ def _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at, fall
             record: AttentionRecord = backbone.extract(pixels, capture, prompts=prompts)
             targets = _targets(batch)
             panel_rows: dict[int, list] = {j: [] for j, i in enumerate(idx) if i < panels}
+            t_m = time.perf_counter()
+            outs = []
             for s in need:
-                out = s.method(record)
-                if dataset.task == "binary":
-                    new = score_binary(out, targets, mask_at)
-                else:
-                    new = score_multiclass(out, targets, dataset.num_classes, s.label)
+                t_s = time.perf_counter()
+                outs.append(s.method(record))
+                timing.method_s[s.key] = timing.method_s.get(s.key, 0.0) + time.perf_counter() - t_s
+            if dataset.task == "binary":  # all methods' maps of the batch scored together
+                new_all = score_binary_many(outs, targets, mask_at)
+            else:
+                new_all = [score_multiclass(o, targets, dataset.num_classes, s.label) for s, o in zip(need, outs)]
+            for s, out, new in zip(need, outs, new_all):
                 for j, i in enumerate(idx):
                     states[i][s.key] = new[j]
+                timing.images[s.key] = timing.images.get(s.key, 0) + len(idx)
                 if panel_rows:
                     _panel_tiles(panel_rows, out, targets, mask_at, s.label, dataset.task)
+            timing.methods_and_scoring_s += time.perf_counter() - t_m
         for j, i in enumerate(idx):
             cache.save(batch[j].name, states[i], fallbacks.get(i))
         for j, rows in panel_rows.items():

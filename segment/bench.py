@@ -2,14 +2,19 @@
 same run; never timed tests).
 
     python -m segment.bench markov    [--sizes 257 1024 4096] [--device cpu|cuda] [--weights PATH]
+    python -m segment.bench markov --accuracy [--images-224 10] [--images-448 2] [--root DIR]
     python -m segment.bench regions   [--sizes 224 448] [--batch 8] [--weights PATH]
     python -m segment.bench pipeline  ...   (segment.bench_pipeline)
     python -m segment.bench flux      ...   (segment.bench_flux)
+    python -m segment.bench eval      ...   (segment.bench_eval)
     python -m segment.bench gpu       [--quick] [--json PATH]   (segment.bench_gpu: GPU self-check)
 
 ``markov``: TokenRank and ``|lambda_2|`` on real DINOv2 ViT-S/14 attention heads (the
 shared weights, or ``--weights``; synthetic attention-like chains otherwise) against dense
 ``torch.linalg.eigvals``, per head, with the error of the fast path against dense float64.
+``markov --accuracy``: the largest error of ``lambda2`` (``method="auto"``) against dense
+float64 ``eigvals`` over every head of every layer of several ecssd-dev images (10 at
+224 px and 2 at 448 px by default: 864 heads), with the range of ``|lambda_2|``.
 ``regions``: the seed-and-grow stage per image against the backbone forward of the same
 batch.
 """
@@ -24,6 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from segment import markov
 
@@ -89,6 +95,54 @@ def synthetic_heads(layers: int, heads: int, n: int, device: torch.device, seed:
     return a.view(layers, heads, n, n).to(device)
 
 
+def bench_markov_accuracy(args: argparse.Namespace, weights: Path | None, device: torch.device) -> None:
+    """``--accuracy``: max error of the fast lambda2 vs dense float64 over many real heads."""
+    from PIL import Image
+
+    from segment.models.vit import TimmViT
+    from segment.record import Capture
+
+    if weights is None:
+        raise SystemExit("--accuracy needs real heads: pass --weights or set SEGMENT_SHARED")
+    shared = os.environ.get("SEGMENT_SHARED")
+    root = Path(args.root) if args.root else (Path(shared) / "data" / "ecssd-dev" if shared else None)
+    if root is None or not (root / "images").is_dir():
+        raise SystemExit("--accuracy needs a folder of images: --root DIR (DIR/images) or SEGMENT_SHARED")
+    files = sorted(p for p in (root / "images").iterdir() if p.is_file())
+    print(f"# lambda2 accuracy: every head of all layers of DINOv2 ViT-S/14 ({weights}) on "
+          f"{root}/images; device {device}, {torch.get_num_threads()} threads")
+    print("| px | images | heads | min abs lambda2 | max abs lambda2 | max err vs dense f64 | mean err |"
+          " dense fallbacks | lambda2 ms/head | dense ms/head |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    errs, count = [], 0
+    for size, k in ((224, args.images_224), (448, args.images_448)):
+        if k <= 0:
+            continue
+        model = TimmViT(name="dinov2_vits14", arch="vit_small_patch14_dinov2.lvd142m", pretrained=False,
+                        checkpoint=str(weights), image_size=size, device=str(device))
+        e_all, v_all, fb, t_fast, t_dense = [], [], 0, 0.0, 0.0
+        for f in files[:k]:
+            img = Image.open(f).convert("RGB")
+            rec = model.extract(model.collate([img]), Capture(layers=None, heads="keep"))
+            attn = torch.stack([rec.attn[i][0] for i in sorted(rec.attn)])
+            chains = markov.strip_prefix(attn.reshape(-1, *attn.shape[-2:]), 1, zero_rows="uniform")
+            res: list[markov.Lambda2Result] = []
+            t_fast += _time(lambda: res.append(markov.lambda2(chains, return_info=True)), device)
+            ref: list[Tensor] = []
+            t_dense += _time(lambda: ref.append(markov.lambda2_dense(chains)), device)
+            e_all.append((res[-1].value - ref[-1]).abs())
+            v_all.append(ref[-1])
+            fb += int(res[-1].dense.sum())
+        e, v = torch.cat(e_all), torch.cat(v_all)
+        count += e.numel()
+        errs.append(e.max().item())
+        print(f"| {size} | {min(k, len(files))} | {e.numel()} | {v.min().item():.1e} | {v.max().item():.4f} | "
+              f"{e.max().item():.1e} | {e.mean().item():.1e} | {fb}/{e.numel()} | "
+              f"{1e3 * t_fast / e.numel():.2f} | {1e3 * t_dense / e.numel():.1f} |", flush=True)
+    if errs:
+        print(f"largest error over {count} heads: {max(errs):.1e} (goal <= 1e-4)")
+
+
 def bench_markov(argv: Sequence[str]) -> None:
     p = argparse.ArgumentParser(prog="python -m segment.bench markov")
     p.add_argument("--sizes", type=int, nargs="+", default=[257, 1025, 4097],
@@ -99,9 +153,17 @@ def bench_markov(argv: Sequence[str]) -> None:
                    help="heads timed with dense eigvals (spread over the layers); 1 at N=4097")
     p.add_argument("--layers", default="all", choices=["all", "last3"],
                    help="which layers' heads lambda2 runs on (N=4097 always uses last3)")
+    p.add_argument("--accuracy", action="store_true",
+                   help="instead: max error of lambda2 vs dense float64 over every head of many images")
+    p.add_argument("--images-224", type=int, default=10, help="--accuracy: images at 224 px")
+    p.add_argument("--images-448", type=int, default=2, help="--accuracy: images at 448 px")
+    p.add_argument("--root", default=None, help="--accuracy: folder with images/ (default $SEGMENT_SHARED/data/ecssd-dev)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     weights = _find_weights(args.weights)
+    if args.accuracy:
+        bench_markov_accuracy(args, weights, device)
+        return
     src = f"DINOv2 ViT-S/14 heads ({weights})" if weights else "synthetic attention-like chains"
     print(f"# Markov benchmark: {src}; device {device}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
@@ -205,12 +267,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         from segment.bench_flux import main as run
 
         run(rest)
+    elif what == "eval":
+        from segment.bench_eval import main as run
+
+        run(rest)
     elif what == "gpu":
         from segment.bench_gpu import main as run
 
         raise SystemExit(run(rest))  # 1 when a check failed
     else:
-        raise SystemExit(f"unknown benchmark {what!r}: choose markov, regions, pipeline, flux or gpu")
+        raise SystemExit(f"unknown benchmark {what!r}: choose markov, regions, pipeline, flux, eval or gpu")
 
 
 if __name__ == "__main__":

@@ -65,8 +65,11 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -115,8 +118,41 @@ def start_distribution(record: AttentionRecord, num_tokens: int, dtype: torch.dt
     return s
 
 
+class _PerTensor:
+    """Results memoised per tensor *object* (identity, never contents) while it lives.
+
+    Several methods scored on one attention record (``segment-eval`` runs them all on the
+    same capture) build the same patch chains and the same ``|lambda_2|``; the record's
+    tensors are not modified in place, so a result computed from a tensor object is
+    reused for as long as that object exists (entries go with it: weak references).
+    """
+
+    def __init__(self) -> None:
+        self._d: dict[tuple[int, Any], tuple[weakref.ref, Any]] = {}
+
+    def get(self, t: Tensor, key: Any, make: Callable[[], Any]) -> Any:
+        k = (id(t), key)
+        hit = self._d.get(k)
+        if hit is not None and hit[0]() is t:
+            return hit[1]
+        value = make()
+        d = self._d
+        try:
+            d[k] = (weakref.ref(t, lambda _, k=k: d.pop(k, None)), value)
+        except TypeError:  # not weak-referenceable: no memo
+            pass
+        return value
+
+
+_CHAINS_OF = _PerTensor()
+_LAMBDA2_OF = _PerTensor()
+
+
 def patch_chain(attn: Tensor, layout: TokenLayout) -> Tensor:
     """The chain over grid tokens: ``attn[..., grid, grid]`` with rows renormalised.
+
+    Memoised per ``attn`` object (methods sharing a record share the chain; do not modify
+    the result in place).
 
     Args:
         attn: ``(..., N, N)`` attention over ``[prefix][grid][suffix]``.
@@ -127,19 +163,21 @@ def patch_chain(attn: Tensor, layout: TokenLayout) -> Tensor:
         become uniform.
     """
     g = layout.patches
-    return markov.strip_prefix(attn[..., g, g], 0, zero_rows="uniform")
+    return _CHAINS_OF.get(attn, (g.start, g.stop, g.step),
+                          lambda: markov.strip_prefix(attn[..., g, g], 0, zero_rows="uniform"))
 
 
 def grid_weights(chain: Tensor, heads: str) -> Tensor:
     """Head weights ``(B, H)`` from patch chains ``(B, H, n, n)``.
 
-    ``"mean"``: ``1 / H``; ``"lambda2"``: ``|lambda_2,h| / sum_g |lambda_2,g|`` (protocol §1).
+    ``"mean"``: ``1 / H``; ``"lambda2"``: ``|lambda_2,h| / sum_g |lambda_2,g|`` (protocol §1;
+    ``|lambda_2|`` memoised per ``chain`` object).
     """
     b, h = chain.shape[:2]
     if heads == "mean":
         return torch.full((b, h), 1.0 / h, dtype=chain.dtype, device=chain.device)
     if heads == "lambda2":
-        lam = markov.lambda2(chain).to(chain.dtype)  # (B, H)
+        lam = _LAMBDA2_OF.get(chain, None, lambda: markov.lambda2(chain)).to(chain.dtype)  # (B, H)
         return markov.head_weights(lam, "lambda2")
     raise ValueError(f"heads must be one of {_HEADS}, got {heads!r}")
 
@@ -262,6 +300,9 @@ class Method(abc.ABC):
         attn = _as_compute(attn)
         if not self._fuse_first or attn.shape[1] == 1:
             return attn
+        if self.heads == "lambda2":  # as fuse_layer, with |lambda_2| shared by the record's methods
+            w = grid_weights(patch_chain(attn, layout), "lambda2")
+            return markov.fuse_heads(attn, w).unsqueeze(1)
         return fuse_layer(attn, self.heads, layout)[0]
 
     def _inputs(self, record: AttentionRecord) -> list[Tensor]:

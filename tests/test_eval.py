@@ -97,8 +97,14 @@ def counting(monkeypatch):
     return made
 
 
-def read_rows(out: Path) -> list[dict]:
-    return json.loads((out / "results.json").read_text())
+def read_rows(out: Path, timing: bool = False) -> list[dict]:
+    """The rows of results.json; without the run's timing fields unless ``timing``."""
+    rows = json.loads((out / "results.json").read_text())
+    if not timing:
+        for r in rows:
+            for k in runner.TIMING_KEYS:
+                r.pop(k)
+    return rows
 
 
 # ------------------------------------------------------------------------------ configs
@@ -236,12 +242,16 @@ def test_resume_after_interrupt_and_new_methods(folder, tmp_path, counting):
     assert run_eval(cfg_for(*base, "methods=[rollout]")) == EXIT_OK
     assert counting[-1].batches == [2, 1]  # only the 3 images not cached
     assert read_rows(out) == fresh  # same numbers as an uninterrupted run
+    (row,) = [r for r in read_rows(out, timing=True) if r["method"] == "rollout"]
+    assert row["images_per_s"] > 0 and row["method_ms_per_image"] > 0  # measured on 3 images
 
     # nothing left to do: the backbone is not even built
     counting.clear()
     assert run_eval(cfg_for(*base, "methods=[rollout]")) == EXIT_OK
     assert counting == []
     assert read_rows(out) == fresh
+    assert all(r["images_per_s"] is None and r["method_ms_per_image"] is None
+               for r in read_rows(out, timing=True))  # nothing measured: all from the cache
 
     # a new method: only it is computed, from a capture of just what it needs
     assert run_eval(cfg_for(*base, "methods=[rollout,bounce]")) == EXIT_OK
@@ -528,3 +538,18 @@ def test_panel_has_column_headers(tmp_path):
         assert (header[:, c * (w + pad) : c * (w + pad) + w] < 128).sum() > 20, c
     label = a[18:36]  # then the first method's label band: text at the left only
     assert (label[:, :w] < 128).sum() > 10 and (label[:, 2 * (w + pad) :] < 128).sum() == 0
+def test_eval_benchmark_runs_and_reports_both_ratios(folder, tmp_path, monkeypatch, capsys):
+    # `python -m segment.bench eval` on a tiny random model: 9 methods, ratios printed
+    from segment.bench_eval import main
+
+    monkeypatch.delenv("SEGMENT_SHARED", raising=False)
+    out = tmp_path / "bench.json"
+    assert main(["--root", str(folder), "--images", "3", "--batch", "2", "--repeats", "1",
+                 "--size", "56", "--json", str(out), "model=vit_tiny_random"]) == 0
+    res = json.loads(out.read_text())
+    assert res["methods"] == 9 and res["images"] == 3
+    assert res["eval_median"] > 0 and res["bare_forward_median"] > 0 and res["cpu_ratio"] > 0
+    assert res["ratio"] == pytest.approx(res["eval_median"] / res["bare_forward_median"], abs=1e-3)
+    assert all(v is not None and v >= 0 for v in res["method_ms_per_image"].values())
+    printed = capsys.readouterr().out
+    assert "ratio" in printed and "target >= 0.5" in printed

@@ -445,3 +445,39 @@ def test_chain_knobs_change_the_heatmap_or_are_refused():
         TokenRank(direction="incoming")
     with pytest.raises(ValueError, match="source was: outgoing"):
         Bounce(direction="outgoing")
+def test_lambda2_weights_shared_by_methods_of_one_record(monkeypatch):
+    # the lambda2-weighted methods of one record compute |lambda_2| of its heads once;
+    # another attention tensor (even with equal contents) is computed anew
+    import segment.methods as methods_mod
+    from segment import markov
+
+    calls = []
+    real = markov.lambda2
+
+    def counting(chain, *a, **kw):
+        calls.append(chain.shape)
+        return real(chain, *a, **kw)
+
+    monkeypatch.setattr(markov, "lambda2", counting)
+    a = stochastic(2, 3, 7, 7, seed=4)
+    rec = record({0: a}, VIT)
+    ms = [ClsAttention(name="c", layers=[0], heads="lambda2"),
+          TokenRank(name="t", layers=[0], heads="lambda2"),
+          Bounce(name="b", layers=[0], heads="lambda2", steps=2)]
+    outs = [m(rec) for m in ms]
+    assert len(calls) == 1  # one |lambda_2| computation for the three methods
+    # ClsAttention's attention fusion equals the capture-time fusion (reduce.fuse_layer)
+    from segment.reduce import fuse_layer
+
+    fused = fuse_layer(a, "lambda2", VIT)[0]
+    ref = ClsAttention(name="c", layers=[0], heads="mean")(record({0: fused}, VIT))
+    torch.testing.assert_close(outs[0].heatmap, ref.heatmap)
+    rec2 = record({0: a.clone()}, VIT)
+    again = [m(rec2) for m in ms]
+    assert len(calls) == 3  # the fuse_layer call above, then one for the new tensor
+    for o, p in zip(outs, again):
+        assert torch.equal(o.heatmap, p.heatmap)
+    # the memo is keyed on the tensor object: the chain equals a fresh computation
+    chain = methods_mod.patch_chain(a, VIT)
+    assert chain is methods_mod.patch_chain(a, VIT)
+    np.testing.assert_allclose(chain.numpy(), np_patch_chain(a.numpy(), G))

@@ -13,10 +13,12 @@ import torch
 from segment.eval.metrics import (
     BinaryState,
     MulticlassState,
+    average_precision,
     binary_states,
     hungarian_state,
     miou_ca,
     pooled_average_precision,
+    pooled_average_precisions,
     state_from_dict,
     total,
 )
@@ -75,6 +77,102 @@ def test_pooled_ap_matches_definition_on_random_maps():
             np.r_[~g.ravel(), g.ravel()].astype(int), np.r_[np.float32(1) - r.ravel(), r.ravel()]
         )
         assert pooled_average_precision(r, g) == pytest.approx(ref, abs=1e-12)
+
+
+def _sklearn_ap(y_true: np.ndarray, y_score: np.ndarray) -> float:
+    import warnings
+
+    from sklearn.metrics import average_precision_score
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return float(np.nan_to_num(average_precision_score(y_true, y_score)))
+
+
+@pytest.mark.parametrize("levels", [None, 2, 5, 50])
+def test_torch_ap_equals_sklearn_on_random_and_tied_scores(levels):
+    # levels=None: continuous scores; otherwise scores quantised to a few values (many ties)
+    rng = np.random.default_rng(levels or 0)
+    b, m = 6, 3001
+    s = rng.random((b, m)).astype(np.float32)
+    if levels:
+        s = np.floor(s * levels).astype(np.float32) / levels
+    t = rng.random((b, m)) < rng.uniform(0.05, 0.95, (b, 1))
+    got = average_precision(torch.from_numpy(s), torch.from_numpy(t))
+    assert got.dtype == torch.float64 and got.shape == (b,)
+    for i in range(b):
+        assert got[i].item() == pytest.approx(_sklearn_ap(t[i].astype(int), s[i]), abs=1e-6)
+
+
+def test_torch_ap_edge_cases_match_sklearn():
+    cases = [
+        ([0, 0, 0], [0.2, 0.5, 0.1]),  # no positive: sklearn returns 0 (with a warning)
+        ([1, 1, 1], [0.2, 0.5, 0.1]),  # all positive: 1
+        ([0, 1, 1, 0], [0.5, 0.5, 0.5, 0.5]),  # one threshold: P = 1/2 at R = 1
+        ([1, 0, 0, 1, 0], [0.9, 0.9, 0.3, 0.3, 0.1]),
+        ([1], [0.7]),
+    ]
+    for y, s in cases:
+        got = average_precision(torch.tensor(s, dtype=torch.float32), torch.tensor(y).bool()).item()
+        assert got == pytest.approx(_sklearn_ap(np.array(y), np.array(s, np.float32)), abs=1e-12), (y, s)
+    # batch dimensions are kept, and mismatched shapes are refused
+    x = torch.rand(2, 3, 10)
+    assert average_precision(x, x > 0.5).shape == (2, 3)
+    with pytest.raises(ValueError, match="same"):
+        average_precision(torch.rand(3, 4), torch.rand(3, 5) > 0.5)
+
+
+def test_pooled_aps_batched_equal_sklearn_per_image():
+    rng = np.random.default_rng(3)
+    r = rng.random((5, 13, 11)).astype(np.float32)
+    r[1] = np.round(r[1] * 4) / 4  # ties, across the two channels too (0.5 and 1 - 0.5)
+    r[2] = 0.0  # constant heatmap
+    g = rng.random((5, 13, 11)) > 0.5
+    got = pooled_average_precisions(torch.from_numpy(r), torch.from_numpy(g))
+    for i in range(5):
+        y = np.r_[~g[i].ravel(), g[i].ravel()].astype(int)
+        sc = np.r_[np.float32(1) - r[i].ravel(), r[i].ravel()]
+        assert got[i].item() == pytest.approx(_sklearn_ap(y, sc), abs=1e-6)
+
+
+def test_pooled_ap_torch_key_path_equals_numpy_path_and_general_path():
+    # the device path (torch.sort of packed keys + torch formula) run on CPU tensors, against
+    # the CPU path (numpy sort + merge) and the general sort-based average_precision
+    from segment.eval.metrics import _ap_of_sorted_keys, _pooled_keys
+
+    rng = np.random.default_rng(5)
+    r = torch.from_numpy(rng.random((4, 700)).astype(np.float32))
+    r[1] = torch.round(r[1] * 3) / 3
+    r[2, :50] = 0.5  # exact ties between the channels: 1 - 0.5 == 0.5
+    g = torch.from_numpy(rng.random((4, 700)) > 0.4)
+    kr = (r.view(torch.int32) << 1) | g.to(torch.int32)
+    ku = ((1.0 - r).view(torch.int32) << 1) | (~g).to(torch.int32)
+    keys = torch.sort(torch.cat([kr, ku], 1), dim=-1).values
+    assert np.array_equal(keys.numpy(), _pooled_keys(r, g))  # the merge gives the same order
+    dev = _ap_of_sorted_keys(keys)
+    cpu = _ap_of_sorted_keys(keys.numpy())
+    ref = average_precision(torch.cat([1.0 - r, r], 1), torch.cat([~g, g], 1))
+    assert torch.allclose(dev, cpu, atol=1e-12) and torch.allclose(dev, ref, atol=1e-12)
+    # scores outside [0, 1] take the general path and still equal scikit-learn
+    big = r * 3 - 1
+    got = pooled_average_precisions(big, g)
+    for i in range(4):
+        y = np.r_[~g[i].numpy(), g[i].numpy()].astype(int)
+        sc = np.r_[np.float32(1) - big[i].numpy(), big[i].numpy()]
+        assert got[i].item() == pytest.approx(_sklearn_ap(y, sc), abs=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_torch_ap_on_cuda_equals_cpu():
+    s = torch.rand(4, 5000)
+    t = torch.rand(4, 5000) > 0.4
+    assert torch.allclose(average_precision(s.cuda(), t.cuda()).cpu(), average_precision(s, t), atol=1e-9)
+    r = torch.rand(3, 40, 30)
+    r[0] = torch.round(r[0] * 4) / 4
+    g = torch.rand(3, 40, 30) > 0.5
+    got = pooled_average_precisions(r.cuda(), g.cuda())
+    assert got.device.type == "cuda"
+    assert torch.allclose(got.cpu(), pooled_average_precisions(r, g), atol=1e-9)
 
 
 def test_ap_of_constant_heatmap_is_finite():

@@ -194,6 +194,34 @@ def test_region_outputs_labels_png_and_overlay(tmp_path):
     assert np.abs(over - _image(30, 40).astype(int)).mean() > 20
 
 
+@pytest.mark.parametrize("case", ["blocks", "noise", "one", "edges", "many"])
+def test_region_annotations_equal_one_mask_per_region(case):
+    # the one-pass RLEs and grouped scores equal the direct definition, byte for byte
+    from segment.outputs import _coco_annotations_reference
+
+    rng = np.random.default_rng(len(case))
+    h, w = 37, 53
+    if case == "blocks":
+        lab = np.kron(rng.integers(0, 6, (4, 6)), np.ones((10, 10), np.int64))[:h, :w]
+    elif case == "noise":
+        lab = rng.integers(0, 9, (h, w))
+    elif case == "one":
+        lab = np.zeros((h, w), np.int64)
+    elif case == "edges":  # regions touching the first and the last pixel, ids with gaps
+        lab = np.full((h, w), 7, np.int64)
+        lab[0, 0] = 2
+        lab[-1, -1] = 5
+        lab[:, 10] = 2
+    else:  # more ids than a palette holds
+        lab = rng.integers(0, 300, (h, w))
+    fg = rng.random(int(lab.max()) + 1) > 0.5
+    heat = rng.random((h, w)).astype(np.float32)
+    seg = Segmentation(heatmap=heat, mask=fg[lab], labels=lab, foreground=fg)
+    got, ref = coco_annotations(seg), _coco_annotations_reference(seg)
+    assert [a["region_id"] for a in got] == sorted(np.unique(lab).tolist())
+    assert json.dumps(got) == json.dumps(ref)
+
+
 def test_empty_mask_gives_no_annotation():
     seg = postprocess(MethodOutput(heatmap=torch.ones(1, 2, 2)), 0, (4, 4))  # constant map
     assert not seg.mask.any() and coco_annotations(seg) == []
