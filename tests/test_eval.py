@@ -104,7 +104,7 @@ def read_rows(out: Path) -> list[dict]:
 # ------------------------------------------------------------------------------ configs
 
 
-@pytest.mark.parametrize("name", ["imagenet_seg", "folder", "coco", "cocostuff27", "cityscapes27"])
+@pytest.mark.parametrize("name", ["imagenet_seg", "folder", "coco", "cocostuff27", "cityscapes27", "labels", "camvid"])
 def test_every_dataset_config_composes(name):
     cfg = cfg_for(f"dataset={name}", *TINY)
     assert cfg.dataset._target_.startswith("segment.datasets.")
