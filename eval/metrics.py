@@ -324,7 +324,8 @@ def _match(pred: Tensor | np.ndarray, gt: Tensor | np.ndarray, num_classes: int)
     n = max(k, len(segs))
     hist = np.bincount(n * g[valid] + p[valid], minlength=k * n).reshape(k, n)
     rows, cols = linear_sum_assignment(hist, maximize=True)
-    return _Matching(k, hist, rows, cols, valid, segs, p)
+    real = hist[rows, cols] > 0  # a pair with no common pixel is no match (solver ties)
+    return _Matching(k, hist, rows[real], cols[real], valid, segs, p)
 
 
 def matched_classes(pred: Tensor | np.ndarray, gt: Tensor | np.ndarray, num_classes: int) -> np.ndarray:
@@ -359,6 +360,9 @@ def hungarian_state(
     ``K`` columns, so every class is matched (possibly to an empty segment); matching
     maximises the matched pixels. Per class: ``TP = hist[c, s(c)]``, ``FN = row sum - TP``
     (this includes pixels of segments left unmatched), ``FP = column sum of s(c) - TP``.
+    A class and a segment with no pixel in common are never a match (the solver may pair
+    them in a tie): such a class has ``TP = FP = 0`` and such a segment counts as
+    unmatched, so the scores do not depend on how the solver breaks ties.
     ``regions`` counts the distinct segment ids of the whole prediction.
 
     Args:
