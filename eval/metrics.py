@@ -321,11 +321,10 @@ def _match(pred: Tensor | np.ndarray, gt: Tensor | np.ndarray, num_classes: int)
     valid = (g >= 0) & (g < k)
     segs, p = np.unique(p, return_inverse=True)  # contiguous ids; empty ids change nothing
     p = p.ravel()
-    n = max(k, len(segs))
+    n = len(segs)
     hist = np.bincount(n * g[valid] + p[valid], minlength=k * n).reshape(k, n)
-    rows, cols = linear_sum_assignment(hist, maximize=True)
-    real = hist[rows, cols] > 0  # a pair with no common pixel is no match (solver ties)
-    return _Matching(k, hist, rows[real], cols[real], valid, segs, p)
+    rows, cols = linear_sum_assignment(hist, maximize=True)  # min(K, S) pairs
+    return _Matching(k, hist, rows, cols, valid, segs, p)
 
 
 def matched_classes(pred: Tensor | np.ndarray, gt: Tensor | np.ndarray, num_classes: int) -> np.ndarray:
@@ -356,13 +355,14 @@ def hungarian_state(
     """One image's TP / FP / FN after Hungarian matching of segments to classes.
 
     The histogram ``hist[c, s]`` counts pixels of class ``c`` predicted as segment ``s``
-    (pixels whose class lies outside ``[0, K)``, e.g. 255, are ignored). It has at least
-    ``K`` columns, so every class is matched (possibly to an empty segment); matching
-    maximises the matched pixels. Per class: ``TP = hist[c, s(c)]``, ``FN = row sum - TP``
+    (pixels whose class lies outside ``[0, K)``, e.g. 255, are ignored); matching maximises
+    the matched pixels. Per class: ``TP = hist[c, s(c)]``, ``FN = row sum - TP``
     (this includes pixels of segments left unmatched), ``FP = column sum of s(c) - TP``.
-    A class and a segment with no pixel in common are never a match (the solver may pair
-    them in a tie): such a class has ``TP = FP = 0`` and such a segment counts as
-    unmatched, so the scores do not depend on how the solver breaks ties.
+    The histogram is ``K x S`` (no padding), matched by scipy's ``linear_sum_assignment``
+    as it is: ``min(K, S)`` pairs, so with ``S <= K`` every segment is matched, possibly to a
+    class absent from the image (its pixels are then that class's FP), and with ``S > K``
+    every class is (``camvid-dev/REFERENCE.md``: "the 11 classes present or not"); which
+    absent class takes such a segment is the solver's tie-break.
     ``regions`` counts the distinct segment ids of the whole prediction.
 
     Args:

@@ -53,8 +53,6 @@ def score_folder(pred_dir: Path, gt_dir: Path, k: int = 11) -> dict[str, float]:
         rows, cols = linear_sum_assignment(-overlap)
         tp_img = np.zeros(k)
         for c, s in zip(rows, cols):
-            if overlap[c, s] == 0:  # no common pixel: not a match (a tie of the solver)
-                continue
             tp_img[c] = overlap[c, s]
             fp[c] += overlap[:, s].sum() - overlap[c, s]
         tp += tp_img
