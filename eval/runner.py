@@ -496,7 +496,9 @@ class Results:
         wr = csv.writer(buf, lineterminator="\n")
         wr.writerow(["method", *self.columns, *per_class, "images"])
         for r in self.rows:
-            wr.writerow([r["method"], *(r[c] for c in self.columns), *self._class_values(r), r["images"]])
+            iou = r.get("iou") or {}
+            wr.writerow([r["method"], *(r[c] for c in self.columns),
+                         *("" if iou.get(c) is None else iou[c] for c in self.class_names), r["images"]])
         return buf.getvalue()
 
     def write(self, out: Path) -> None:
