@@ -26,6 +26,7 @@ import numpy as np
 
 from segment.datasets.base import (
     IGNORE_INDEX,
+    DataError,
     SegmentationDataset,
     Sample,
     center_crop_box,
@@ -95,10 +96,10 @@ def read_label_png(path: Path, what: str) -> np.ndarray:
         if arr.shape[2] >= 3 and (arr[..., 0] == arr[..., 1]).all() and (arr[..., 0] == arr[..., 2]).all():
             arr = arr[..., 0]
         else:
-            raise ValueError(f"{path}: expected {what} with one channel, got {describe(arr)}")
+            raise DataError(f"{path}: expected {what} with one channel, got {describe(arr)}")
     if arr.dtype != np.uint8:
         if arr.min(initial=0) < 0 or arr.max(initial=0) > 255:
-            raise ValueError(f"{path}: expected {what} with values in 0..255, got {describe(arr)}")
+            raise DataError(f"{path}: expected {what} with values in 0..255, got {describe(arr)}")
         arr = arr.astype(np.uint8)
     return arr
 
@@ -131,7 +132,7 @@ class _CroppedLabels(SegmentationDataset):
         out = self.lut[raw]
         if (out < 0).any():
             bad = np.unique(raw[out < 0])
-            raise ValueError(f"{path}: expected {self.label_what}, found unexpected values {bad[:10].tolist()}")
+            raise DataError(f"{path}: expected {self.label_what}, found unexpected values {bad[:10].tolist()}")
         return out
 
     def __getitem__(self, index: int) -> Sample:
@@ -140,7 +141,7 @@ class _CroppedLabels(SegmentationDataset):
         image = load_rgb(img_path)
         raw = self.read_raw(lab_path)
         if raw.shape != (image.size[1], image.size[0]):
-            raise ValueError(
+            raise DataError(
                 f"{lab_path}: labels are {raw.shape[1]}x{raw.shape[0]}, the image {img_path} is "
                 f"{image.size[0]}x{image.size[1]}"
             )
@@ -368,7 +369,7 @@ class LabelFolder(_CroppedLabels):
         if not found.all():
             bad = np.unique(code[~found])[:10]
             rgb = [((int(c) >> 16) & 255, (int(c) >> 8) & 255, int(c) & 255) for c in bad]
-            raise ValueError(
+            raise DataError(
                 f"{path}: expected {self.label_what}, found colours that are neither a class nor"
                 f" ignore_color: {rgb}"
             )

@@ -47,6 +47,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import Tensor
 
+from segment.datasets.base import DataError
 from segment.eval import dist
 from segment.eval.metrics import (
     BinaryState,
@@ -582,6 +583,9 @@ def run_eval(cfg: DictConfig) -> int:
     try:
         return _run(cfg, ctx)
     except ConfigError as e:
+        print(f"segment-eval: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except DataError as e:  # a data set file that cannot be read as expected (named in e)
         print(f"segment-eval: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:

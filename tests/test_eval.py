@@ -364,7 +364,7 @@ def test_multiclass_end_to_end(tmp_path, monkeypatch, counting):
     assert run_eval(cfg) == EXIT_BAD_INPUT
 
 
-def test_label_folder_tables_and_panels(tmp_path, monkeypatch, counting):
+def test_label_folder_tables_and_panels(tmp_path, monkeypatch, counting, capsys):
     """dataset=labels end to end: pixAcc, mIoU, regions and per-class IoU (named) in
     results.json / .csv / .md, equal to the metric on the same predictions; class panels."""
     mod = types.ModuleType("segment_test_methods")
@@ -421,8 +421,10 @@ def test_label_folder_tables_and_panels(tmp_path, monkeypatch, counting):
     cfg = cfg_for(*TINY, "dataset=labels", f"dataset.root={root}", "dataset.num_classes=3", "dataset.ignore_index=9",
                   f"output={tmp_path / 'o2'}", "include_default=false",
                   "+methods.quant._target_=segment_test_methods.QuantileRegions", "cache=false")
-    with pytest.raises(ValueError, match=r"s1.png: .*values \[4\]"):
-        run_eval(cfg)
+    capsys.readouterr()
+    assert run_eval(cfg) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "s1.png: expected a label PNG with class ids 0..2 and 9" in err[0] and "[4]" in err[0]
 
 
 def _save_png(path: Path, arr: np.ndarray) -> None:
