@@ -123,3 +123,32 @@ def test_kmeans_config_on_a_tiny_vit_every_knob_counts():
         other = KMeansKeys(**knob)
         assert not torch.equal(other(rec).labels, out.labels), knob
     assert not torch.equal(KMeansKeys(score_layers=[0])(rec).heatmap, out.heatmap)
+
+
+@pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
+def test_segment_writes_kmeans_labels(tmp_path):
+    """`segment method=kmeans` writes labels/ (one id per cluster, at the image's size) and
+    one COCO annotation per region, like the region-growing method."""
+    import json
+
+    from PIL import Image
+
+    from segment.pipeline import run_segment
+
+    src, out = tmp_path / "in", tmp_path / "out"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        Image.fromarray(rng.integers(0, 256, (45, 60, 3), dtype=np.uint8)).save(src / f"p{i}.png")
+    with initialize_config_module(version_base="1.3", config_module="segment.configs"):
+        cfg = compose("segment", overrides=[f"input='{src}'", f"output='{out}'", "model=vit_tiny_random",
+                                            "device=cpu", "progress=false", "render.fsync=false",
+                                            "method=kmeans", "method.k=4"])
+    assert run_segment(cfg) == 0
+    coco = json.loads((out / "annotations.json").read_text())
+    for i in range(2):
+        lab = np.asarray(Image.open(out / "labels" / f"p{i}.png"))
+        assert lab.shape == (45, 60) and set(np.unique(lab).tolist()) <= set(range(4))
+        img_id = next(im["id"] for im in coco["images"] if im["file_name"].startswith(f"p{i}"))
+        anns = [a for a in coco["annotations"] if a["image_id"] == img_id]
+        assert len(anns) == len(np.unique(lab)) >= 2
