@@ -28,6 +28,11 @@ IGNORE_INDEX = 255
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 
+class DataError(ValueError):
+    """A file of a data set that cannot be read as the set expects (named in the message);
+    ``segment-eval`` reports it in one line and exits with the bad-input code."""
+
+
 @dataclass
 class Sample:
     """One evaluation item.

@@ -16,6 +16,7 @@ from segment.eval.metrics import (
     average_precision,
     binary_states,
     hungarian_state,
+    matched_classes,
     miou_ca,
     pooled_average_precision,
     pooled_average_precisions,
@@ -303,6 +304,36 @@ def test_hungarian_hand_computed_with_unmatched_segment_and_ignore():
     sc = s.scores()
     assert sc.ACC == pytest.approx(4 / 5)
     assert sc.mIoU == pytest.approx((2 / 3 + 1) / 2)
+
+
+def test_hungarian_hand_computed_three_classes_ignore_unmatched_and_regions():
+    # K = 3 classes, ignore 255, 4 segments (ids 3, 5, 7, 9): one segment must stay unmatched
+    gt = np.array([[0, 0, 0, 1],
+                   [0, 0, 1, 1],
+                   [255, 2, 2, 1]])
+    pred = np.array([[7, 7, 3, 5],
+                     [7, 7, 7, 5],
+                     [9, 9, 9, 5]])
+    # hist[class, segment] over labelled pixels, segments sorted (3, 5, 7, 9):
+    #   class 0: [1, 0, 4, 0]    class 1: [0, 3, 1, 0]    class 2: [0, 0, 0, 2]
+    # the only best matching: 0 -> 7 (4), 1 -> 5 (3), 2 -> 9 (2); segment 3 unmatched
+    s = hungarian_state(pred, gt, 3)
+    assert s.tp == [4, 3, 2]
+    assert s.fn == [1, 1, 0]  # class 0: its pixel in unmatched segment 3 (FN only); class 1: in 7
+    assert s.fp == [1, 0, 0]  # segment 7 holds a class-1 pixel; the 255 pixel in 9 counts nowhere
+    assert s.labeled == 11 and s.regions == 4
+    sc = s.scores()
+    assert sc.ACC == pytest.approx(9 / 11)
+    assert sc.iou == pytest.approx((4 / 6, 3 / 4, 1.0))
+    assert sc.mIoU == pytest.approx((4 / 6 + 3 / 4 + 1) / 3)
+    assert sc.percent()["regions"] == 4 and sc.percent()["pixAcc"] == pytest.approx(900 / 11)
+    # the same matching paints the panels: matched segments take their class, others < 0
+    cls = matched_classes(pred, gt, 3)
+    assert cls[0, 0] == 0 and cls[0, 3] == 1 and cls[2, 0] == 2 and cls[0, 2] == -1
+    # two images: the regions count adds up, the mean is per image
+    two = s + hungarian_state(np.zeros((2, 2), int), np.zeros((2, 2), int), 3)
+    assert two.regions == 5 and two.scores().regions == 2.5
+    assert state_from_dict(two.to_dict()) == two
 
 
 def test_hungarian_fewer_segments_than_classes():

@@ -478,8 +478,10 @@ def test_multiclass_experiment_grid_vs_tokenrank_seeds(tmp_path):
     assert run_eval(cfg) == 0
     rows = json.loads((out / "results.json").read_text())
     assert [r["method"] for r in rows] == ["grid_seeds", "tokenrank_seeds"]
+    from segment.datasets.multiclass import CITYSCAPES27_CLASSES as names
+
     for r in rows:  # two flat halves: both rows split them exactly (measured: 100 / 100)
         assert r["images"] == 2 and len(r["iou"]) == 27
-        assert r["ACC"] == pytest.approx(100.0) and r["mIoU"] == pytest.approx(100.0)
-        seen = {c: x for c, x in enumerate(r["iou"]) if x is not None}
-        assert seen == {0: pytest.approx(100.0), 16: pytest.approx(100.0)}  # road, sky only
+        assert r["pixAcc"] == pytest.approx(100.0) and r["mIoU"] == pytest.approx(100.0)
+        seen = {c: x for c, x in r["iou"].items() if x is not None}
+        assert seen == {names[0]: pytest.approx(100.0), names[16]: pytest.approx(100.0)}  # road, sky only
