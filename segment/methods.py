@@ -148,6 +148,13 @@ def _renorm(v: Tensor) -> Tensor:
     return torch.where(s > 0, v / s.clamp_min(torch.finfo(v.dtype).tiny), uniform)
 
 
+def _minmax(x: Tensor) -> Tensor:
+    """Per-image min-max of ``(B, H, W)`` to ``[0, 1]`` (a constant map becomes 0)."""
+    flat = x.flatten(1)
+    lo, hi = flat.amin(1, keepdim=True), flat.amax(1, keepdim=True)
+    return ((flat - lo) / (hi - lo).clamp_min(1e-12)).view_as(x)
+
+
 def _as_compute(x: Tensor) -> Tensor:
     return x.to(markov.compute_dtype(x.dtype))
 
@@ -460,6 +467,8 @@ class TokenRank(_ChainMethod):
 
 _CHAINS = ("attention", "keys", "mix")
 _SEEDS = ("auto", "all", "grid", "tokenrank")
+_SCORES = ("cls", "keychain")
+_HEATS = ("expected", "blend")
 
 
 @dataclass
@@ -510,6 +519,8 @@ class RegionGrow(Method):
     min_area: float = 0.002
     connectivity: bool = True
     decide: str = "proposals"
+    score: str = "cls"
+    heat: str = "expected"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -527,6 +538,10 @@ class RegionGrow(Method):
             raise ValueError(f"{self.name}: min_area is a fraction of the image in [0, 1)")
         if self.decide not in ("proposals", "regions"):
             raise ValueError(f"{self.name}: decide must be proposals/regions, got {self.decide!r}")
+        if self.score not in _SCORES:
+            raise ValueError(f"{self.name}: score must be one of {_SCORES}, got {self.score!r}")
+        if self.heat not in _HEATS:
+            raise ValueError(f"{self.name}: heat must be one of {_HEATS}, got {self.heat!r}")
         self._score = ClsAttention(name=f"{self.name}.score", layers=self.score_layers,
                                    heads="mean")
 
@@ -540,7 +555,38 @@ class RegionGrow(Method):
             heads="keep" if self._needs_keys or self.heads == "lambda2" else "mean",
             keys=self._needs_keys,
         )
-        return mine.union(self._score.capture(num_layers), num_layers)
+        score = self._score.capture(num_layers)
+        if self.score == "keychain":  # the smoothing chain needs the score layers' keys
+            score = Capture(layers=score.layers, heads="keep", keys=True)
+        return mine.union(score, num_layers)
+
+    def score_map(self, record: AttentionRecord) -> Tensor:
+        """``(B, h, w)`` the foreground score on the grid.
+
+        ``score: cls``: the CLS attention of ``score_layers`` (mean of heads).
+        ``score: keychain``: that map after one step of the key chain of the same layers,
+        ``s_i <- sum_j P_ij s_j`` with ``P = softmax(cos(k_i, k_j) / key_temperature)`` on
+        the concatenated keys of all heads (``cls_keychain`` of ecssd-dev/REFERENCE.md):
+        every token takes the mean score of the tokens whose keys resemble its own, so a
+        whole object lights up, not only its most attended parts. Layers are averaged.
+        """
+        cls = self._score(record).heatmap.float()
+        if self.score == "cls":
+            return cls
+        from segment.regions import key_chain
+
+        b, h, w = cls.shape
+        out = []
+        for i in self._score._resolve(record):
+            if i not in record.keys:
+                raise ValueError(
+                    f"{self.name}: score=keychain needs the keys of layer {i}; capture with"
+                    " method.capture(num_layers) (Capture.keys)"
+                )
+            k = _as_compute(record.keys[i][:, :, record.layout.patches])  # (B, H, n, D)
+            chain = key_chain(k.transpose(1, 2).flatten(2), float(self.key_temperature))
+            out.append(torch.einsum("bij,bj->bi", chain.to(cls), cls.flatten(1)))
+        return torch.stack(out).mean(0).view(b, h, w)
 
     # the chain over grid tokens ----------------------------------------------------------
 
@@ -621,7 +667,7 @@ class RegionGrow(Method):
         props = rg.merge_proposals(dist, float(self.tau), int(self.iterations))
         grid_prob = rg.soft_assign(props).view(b, -1, h, w)  # (B, K, h, w)
         kp = grid_prob.shape[1]
-        cls = self._score(record).heatmap.float()  # (B, h, w) CLS attention on the grid
+        cls = self.score_map(record)  # (B, h, w) foreground score on the grid
         size = tuple(record.image_size)
         cls_img = F.interpolate(cls.unsqueeze(1), size=size, mode="bilinear",
                                 align_corners=False)[:, 0]
@@ -660,10 +706,12 @@ class RegionGrow(Method):
         foreground &= present
         # heatmap (AP): every pixel's expected proposal score under the soft assignment
         heat = torch.einsum("bkhw,bk->bhw", prob, prop_score.to(prob))
+        fg_px = torch.gather(foreground, 1, labels.flatten(1))
+        if self.heat == "blend":  # rank by the mask, then by the scores inside it
+            heat = (_minmax(heat) + _minmax(cls_img.to(heat)) + fg_px.view_as(heat).to(heat)) / 3
         # an image whose regions all fell on one side (one region, or a uniform decision)
         # has no foreground/background split: fall back to the protocol's pixel rule on the
         # CLS attention (heatmap and mask), the method's floor
-        fg_px = torch.gather(foreground, 1, labels.flatten(1))
         flat = fg_px.all(1) | ~fg_px.any(1)
         if bool(flat.any()):
             r = cls_img.flatten(1)

@@ -324,3 +324,74 @@ def test_multiclass_experiment_grid_vs_tokenrank_seeds(tmp_path):
     assert [r["method"] for r in rows] == ["grid_seeds", "tokenrank_seeds"]
     for r in rows:
         assert r["images"] == 2 and 0 <= r["ACC"] <= 100 and len(r["iou"]) == 27
+
+
+# ---------------------------------------------------------------- the recipe's score and heat
+
+
+def planted_record_with_keys(eps: float = 0.05) -> AttentionRecord:
+    """:func:`planted_record` plus keys: two heads whose keys are one direction per planted
+    block (jittered), so the key chain is block-structured too. CLS attends to the right
+    column of block 1 only."""
+    rec = planted_record(eps)
+    lab = planted_labels(8, 8).flatten()
+    g = torch.Generator().manual_seed(3)
+    base = torch.linalg.qr(torch.randn(8, 8, generator=g))[0][:3]  # 3 orthonormal directions
+    keys = torch.zeros(1, 2, 65, 8)
+    for hd in range(2):
+        keys[0, hd, 1:] = base[lab] + 0.05 * torch.randn(64, 8, generator=g)
+        keys[0, hd, 0] = torch.randn(8, generator=g)
+    a = rec.attn[0]
+    cls = torch.full((8, 8), 0.05)
+    cls[:4, 7] = 1.0  # only the image's right column inside block 1
+    a[0, :, 0, 1:] = 0.8 * cls.flatten() / cls.sum()
+    rec.keys = {0: keys}
+    return rec
+
+
+def test_keychain_score_is_one_pull_step_of_the_key_chain():
+    """score=keychain: s <- P s with P = softmax(cos(k_i, k_j) / T) on the concatenated keys,
+    checked in float64 by hand; the whole planted block 1 lights up, not only its column."""
+    rec = planted_record_with_keys()
+    m = RegionGrow(chain="keys", score="keychain", key_temperature=0.05, layers=[0],
+                   score_layers=[0], refine_steps=0)
+    got = m.score_map(rec)[0].double()
+    k = rec.keys[0][0, :, 1:].double().transpose(0, 1).reshape(64, -1)  # heads concatenated
+    k = k / k.norm(dim=-1, keepdim=True)
+    p = torch.softmax(k @ k.T / 0.05, dim=-1)
+    cls = ClsAttention(layers=[0])(rec).heatmap[0].double().flatten()
+    assert torch.allclose(got.flatten(), p @ cls, atol=1e-6)
+    lab = planted_labels(8, 8)
+    inside = got[lab == 1]
+    assert inside.min() > 0.8 * inside.max()  # spread over the block
+    assert inside.min() > 5 * got[lab != 1].max()
+    raw = ClsAttention(layers=[0])(rec).heatmap[0]
+    assert raw[lab == 1].min() < 0.1 * raw[lab == 1].max()  # the raw CLS map did not
+    with pytest.raises(ValueError, match="needs the keys"):
+        RegionGrow(chain="attention", score="keychain", layers=[0], score_layers=[0])(planted_record())
+    with pytest.raises(ValueError, match="score must be one of"):
+        RegionGrow(score="nope")
+    assert RegionGrow(score="keychain", chain="attention").capture(12).keys
+
+
+def test_blend_heat_ranks_the_mask_first_then_the_scores():
+    """heat=blend: (minmax(expected score) + minmax(score map) + mask) / 3, so every
+    foreground pixel ranks above every background pixel (AP 1 on a planted record whose
+    mask is right) while the heatmap still varies inside the regions."""
+    from segment.eval.metrics import pooled_average_precision
+
+    rec = planted_record_with_keys()
+    kw = dict(chain="keys", score="keychain", tau=0.5, refine_steps=0, layers=[0], score_layers=[0])
+    out = RegionGrow(heat="blend", **kw)(rec)
+    exp = RegionGrow(heat="expected", **kw)(rec)
+    up = planted_labels(8, 8).repeat_interleave(4, 0).repeat_interleave(4, 1)
+    r, mask = to_masks(out, (32, 32))
+    assert torch.equal(mask[0], up == 1) and torch.equal(out.labels, exp.labels)
+    assert r[0][up == 1].min() > r[0][up != 1].max()
+    assert pooled_average_precision(r[0], up == 1) == pytest.approx(1.0)
+    assert len(torch.unique(r[0][up == 1])) > 4  # ranked by the scores inside the mask
+    h = out.heatmap[0]
+    assert float(h.min()) >= 0.0 and float(h.max()) <= 1.0 + 1e-6
+    assert not torch.allclose(out.heatmap, exp.heatmap)
+    with pytest.raises(ValueError, match="heat must be one of"):
+        RegionGrow(heat="nope")
