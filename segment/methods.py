@@ -521,6 +521,7 @@ class RegionGrow(Method):
     decide: str = "proposals"
     score: str = "cls"
     heat: str = "expected"
+    max_regions: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -538,6 +539,8 @@ class RegionGrow(Method):
             raise ValueError(f"{self.name}: min_area is a fraction of the image in [0, 1)")
         if self.decide not in ("proposals", "regions"):
             raise ValueError(f"{self.name}: decide must be proposals/regions, got {self.decide!r}")
+        if self.max_regions is not None and int(self.max_regions) < 1:
+            raise ValueError(f"{self.name}: max_regions must be >= 1 or null, got {self.max_regions}")
         if self.score not in _SCORES:
             raise ValueError(f"{self.name}: score must be one of {_SCORES}, got {self.score!r}")
         if self.heat not in _HEATS:
@@ -665,6 +668,8 @@ class RegionGrow(Method):
                                        int(self.seed_radius))
         dist = rg.propagate(chain, seeds, int(self.steps))  # (B, S, n)
         props = rg.merge_proposals(dist, float(self.tau), int(self.iterations))
+        if self.max_regions is not None:
+            props = rg.cap_proposals(props, int(self.max_regions))
         grid_prob = rg.soft_assign(props).view(b, -1, h, w)  # (B, K, h, w)
         kp = grid_prob.shape[1]
         cls = self.score_map(record)  # (B, h, w) foreground score on the grid

@@ -38,6 +38,7 @@ from segment import markov
 
 __all__ = [
     "Proposals",
+    "cap_proposals",
     "connected_regions",
     "grid_seeds",
     "key_chain",
@@ -274,6 +275,51 @@ def merge_proposals(
         d = (onehot.transpose(1, 2) @ d) / counts.clamp_min(1).unsqueeze(-1)
         valid = counts > 0
         d = d * valid.unsqueeze(-1).to(d.dtype)
+    return Proposals(dist=d, valid=valid).compact()
+
+
+def cap_proposals(props: Proposals, max_regions: int) -> Proposals:
+    """Merge the closest proposals until at most ``max_regions`` remain per image.
+
+    Agglomerative: while an image holds more than ``max_regions`` proposals, its pair with
+    the smallest symmetric KL becomes one proposal, the mean of their distributions weighted
+    by how many merged proposals each already stands for. Images at or under the cap are
+    unchanged. One-to-one scoring of scenes (Hungarian matching) penalises every segment
+    beyond the number of things in the image, which a KL threshold alone does not bound.
+
+    Args:
+        props: merged proposals ``(B, K, n)``.
+        max_regions: the cap (``>= 1``).
+
+    Returns:
+        :class:`Proposals`, compacted, at most ``max_regions`` valid per image.
+    """
+    if int(max_regions) < 1:
+        raise ValueError(f"max_regions must be >= 1, got {max_regions}")
+    d, valid = props.dist.float().clone(), props.valid.clone()
+    b, k, _ = d.shape
+    if k <= max_regions:
+        return props
+    weight = valid.to(d.dtype)
+    rows = torch.arange(b, device=d.device)
+    eye = torch.eye(k, dtype=torch.bool, device=d.device)
+    while True:
+        over = valid.sum(1) > int(max_regions)  # (B,)
+        if not bool(over.any()):
+            break
+        kl = symmetric_kl(d, d)
+        bad = ~(valid.unsqueeze(1) & valid.unsqueeze(2)) | eye
+        kl = kl.masked_fill(bad, float("inf"))
+        best = kl.flatten(1).argmin(1)  # (B,)
+        i, j = best // k, best % k
+        wi, wj = weight[rows, i], weight[rows, j]
+        merged = (wi[:, None] * d[rows, i] + wj[:, None] * d[rows, j]) / (wi + wj)[:, None]
+        sel = over.nonzero().flatten()
+        d[sel, i[sel]] = merged[sel]
+        weight[sel, i[sel]] = (wi + wj)[sel]
+        d[sel, j[sel]] = 0
+        weight[sel, j[sel]] = 0
+        valid[sel, j[sel]] = False
     return Proposals(dist=d, valid=valid).compact()
 
 

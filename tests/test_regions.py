@@ -395,3 +395,47 @@ def test_blend_heat_ranks_the_mask_first_then_the_scores():
     assert not torch.allclose(out.heatmap, exp.heatmap)
     with pytest.raises(ValueError, match="heat must be one of"):
         RegionGrow(heat="nope")
+
+
+def test_cap_proposals_merges_the_closest_pair_weighted():
+    """Hand case: four proposals, cap 3: (a, a') merge first (KL ~0) into their mean; an
+    image under the cap and its invalid slot are untouched; with cap 2 the second image,
+    whose proposals are equally far apart, joins its first pair 1:1."""
+    a = torch.tensor([0.7, 0.1, 0.1, 0.1])
+    a2 = torch.tensor([0.68, 0.12, 0.1, 0.1])
+    b = torch.tensor([0.1, 0.7, 0.1, 0.1])
+    c = torch.tensor([0.1, 0.1, 0.1, 0.7])
+    dist = torch.stack([torch.stack([a, a2, b, c]), torch.stack([a, b, c, torch.zeros(4)])])
+    valid = torch.tensor([[True] * 4, [True, True, True, False]])
+    out = rg.cap_proposals(rg.Proposals(dist=dist, valid=valid), 3)
+    assert out.count.tolist() == [3, 3]
+    assert torch.allclose(out.dist[0, 0], (a + a2) / 2)
+    assert torch.allclose(out.dist[1, :3], dist[1, :3])
+    out2 = rg.cap_proposals(rg.Proposals(dist=dist, valid=valid), 2)
+    assert out2.count.tolist() == [2, 2]
+    # image 1: a, b, c are equally far apart; the first pair (a, b) merges 1:1
+    assert torch.allclose(out2.dist[1, 0], (a + b) / 2) and torch.allclose(out2.dist[1, 1], c)
+    with pytest.raises(ValueError, match="max_regions"):
+        rg.cap_proposals(out, 0)
+
+
+def test_region_grow_max_regions_joins_the_closest_planted_blocks():
+    """Three planted blocks, the two right ones leaking mass to each other: with
+    max_regions=2 those two become one region and the left block stays alone."""
+    lab = planted_labels(8, 8)
+    flat = lab.flatten()
+    same = (flat[:, None] == flat[None, :]).double()
+    right = (flat[:, None] > 0) & (flat[None, :] > 0)
+    p = 0.75 * same / same.sum(1, keepdim=True) + 0.2 * right / right.sum(1, keepdim=True).clamp_min(1)
+    p = p + 0.05 / 64
+    p = p / p.sum(1, keepdim=True)
+    rec = planted_record()
+    rec.attn[0][0, :, 1:, 1:] = 0.9 * p.float()
+    kw = dict(chain="attention", tau=0.05, refine_steps=0, layers=[0], score_layers=[0])
+    up = lab.repeat_interleave(4, 0).repeat_interleave(4, 1)
+    three = RegionGrow(**kw)(rec)
+    assert same_partition(three.labels[0], up)
+    two = RegionGrow(max_regions=2, **kw)(rec)
+    assert same_partition(two.labels[0], (up > 0).long())
+    with pytest.raises(ValueError, match="max_regions"):
+        RegionGrow(max_regions=0)
