@@ -1,6 +1,7 @@
-"""The multi-class sets of the DiffSeg protocol (protocol §4): COCO-Stuff-27 and Cityscapes-27.
+"""The multi-class sets of the DiffSeg protocol (protocol §4): COCO-Stuff-27, Cityscapes-27
+and any label folder (``images/`` + ``labels/``, e.g. CamVid).
 
-Both follow the unsupervised-segmentation convention (PiCIE, STEGO, DiffSeg): the image and
+COCO-Stuff-27 and Cityscapes-27 follow the unsupervised-segmentation convention (PiCIE, STEGO, DiffSeg): the image and
 its labels are centre-cropped to the largest square, labels are resized with ``NEAREST`` to
 the evaluation size, and unlabelled pixels are 255 (ignored by the metrics).
 
@@ -10,6 +11,8 @@ the evaluation size, and unlabelled pixels are 255 (ignored by the metrics).
   (``Coco164kFull_Stuff_Coarse_7.txt``, from the IIC / PiCIE / STEGO / DiffSeg releases).
 - **Cityscapes-27**: ``gtFine`` ``*_labelIds.png`` with labelIds 7-33 -> classes 0-26, all
   other ids -> 255.
+- **Label folders** (:class:`LabelFolder`): class-id (or colour-coded) PNGs paired with the
+  images by stem, evaluated by default at the label resolution with no crop.
 """
 
 from __future__ import annotations
@@ -120,6 +123,10 @@ class _CroppedLabels(SegmentationDataset):
     def name(self, index: int) -> str:
         return self.items[self._check_index(index)][0]
 
+    def read_raw(self, path: Path) -> np.ndarray:
+        """The label file as an ``(H, W)`` uint8 array of raw values (before the LUT)."""
+        return read_label_png(path, self.label_what)
+
     def labels(self, raw: np.ndarray, path: Path) -> np.ndarray:
         out = self.lut[raw]
         if (out < 0).any():
@@ -131,7 +138,7 @@ class _CroppedLabels(SegmentationDataset):
         index = self._check_index(index)
         name, img_path, lab_path = self.items[index]
         image = load_rgb(img_path)
-        raw = read_label_png(lab_path, self.label_what)
+        raw = self.read_raw(lab_path)
         if raw.shape != (image.size[1], image.size[0]):
             raise ValueError(
                 f"{lab_path}: labels are {raw.shape[1]}x{raw.shape[0]}, the image {img_path} is "
@@ -239,3 +246,130 @@ class Cityscapes27(_CroppedLabels):
             self.items.append((f"{img.parent.name}/{stem}", img, lab))
         if not self.items:
             raise ValueError(f"{img_root}: expected CITY/*_leftImg8bit.png images, found none")
+
+
+class LabelFolder(_CroppedLabels):
+    """Any multi-class set laid out as ``root/images/*`` + ``root/labels/*``, paired by stem.
+
+    Labels are class-id PNGs (``0 .. num_classes - 1``, ``ignore_index`` for unlabelled
+    pixels; L or P mode, or RGB with equal channels), or RGB-coded PNGs read through a
+    colour table (``colors``). The ignore value of the files becomes
+    :data:`~segment.datasets.base.IGNORE_INDEX` (255) in :attr:`Sample.target`, the project's
+    convention. By default the set is evaluated at the label resolution with no crop
+    (protocol §4, label folders); CamVid is ``configs/dataset/camvid.yaml``.
+
+    Args:
+        root: folder holding ``images_dir`` and ``labels_dir``.
+        num_classes: ``K``, the number of classes.
+        ignore_index: the label value of unlabelled pixels in the files (not a class).
+        class_names: ``K`` names (tables and panels); ``None`` = no names.
+        colors: ``K`` RGB triples, the colour of each class in RGB-coded label PNGs;
+            ``None`` = the files hold class ids.
+        ignore_color: with ``colors``, the RGB colour of unlabelled pixels (``None``: every
+            pixel must have a class colour).
+        size: evaluation size ``(H, W)`` of the labels (Pillow ``NEAREST``); ``None`` keeps
+            the label resolution.
+        crop: ``"none"`` or ``"center"`` (largest centred square, image and labels alike).
+        images_dir: sub-folder of the images.
+        labels_dir: sub-folder of the labels (same stems, any image extension).
+
+    Raises:
+        ValueError: a label with no image, an image with no label (both name the file), two
+            files of one stem, bad knobs; while reading an item, a label whose size differs
+            from its image's, or a value (colour) that is neither a class nor the ignore
+            value (names the file and the values).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        num_classes: int,
+        ignore_index: int = IGNORE_INDEX,
+        class_names: Sequence[str] | None = None,
+        colors: Sequence[Sequence[int]] | None = None,
+        ignore_color: Sequence[int] | None = None,
+        size: Sequence[int] | int | None = None,
+        crop: str = "none",
+        images_dir: str = "images",
+        labels_dir: str = "labels",
+    ) -> None:
+        from segment.datasets.folder import MASK_EXTENSIONS, _by_stem
+        from segment.datasets.base import IMAGE_EXTENSIONS
+
+        super().__init__(size, crop)
+        k = int(num_classes)
+        if not 1 <= k <= 255:
+            raise ValueError(f"num_classes must lie in 1..255 (8-bit label PNGs), got {num_classes}")
+        ignore = int(ignore_index)
+        if not 0 <= ignore <= 255 or ignore < k:
+            raise ValueError(
+                f"ignore_index must lie in {k}..255 (a value that is not a class id), got {ignore_index}"
+            )
+        self.num_classes = k
+        self.source_ignore = ignore
+        if class_names is not None:
+            names = tuple(str(c) for c in class_names)
+            if len(names) != k:
+                raise ValueError(f"class_names has {len(names)} names for num_classes={k}")
+            self.class_names = names
+        self.colors = None
+        if colors is not None:
+            table = [tuple(int(v) for v in c) for c in colors]
+            if len(table) != k or any(len(c) != 3 or not all(0 <= v <= 255 for v in c) for c in table):
+                raise ValueError(f"colors must be {k} RGB triples in 0..255 (one per class), got {list(colors)}")
+            if ignore_color is not None:
+                ic = tuple(int(v) for v in ignore_color)
+                if len(ic) != 3 or not all(0 <= v <= 255 for v in ic):
+                    raise ValueError(f"ignore_color must be an RGB triple in 0..255, got {ignore_color}")
+                table.append(ic)
+            if len(set(table)) != len(table):
+                raise ValueError(f"colors (with ignore_color) must be distinct, got {table}")
+            self.colors = table
+        elif ignore_color is not None:
+            raise ValueError("ignore_color needs colors (a colour table for RGB-coded labels)")
+        self.lut = _lut({**{c: c for c in range(k)}, ignore: IGNORE_INDEX})
+        self.label_what = (
+            f"an RGB label PNG with the colours of dataset.colors"
+            if self.colors is not None
+            else f"a label PNG with class ids 0..{k - 1} and {ignore} (ignored)"
+        )
+
+        self.root = require_dir(root, f"a folder with {images_dir}/ and {labels_dir}/")
+        img_dir = require_dir(self.root / images_dir, "the images of a label-folder data set")
+        lab_dir = require_dir(self.root / labels_dir, "the labels of a label-folder data set")
+        images = _by_stem(img_dir, IMAGE_EXTENSIONS)
+        labels = _by_stem(lab_dir, MASK_EXTENSIONS)
+        lonely = sorted(set(labels) - set(images))
+        if lonely:
+            raise ValueError(
+                f"{labels[lonely[0]]}: a label with no image of the same stem in {img_dir}"
+                f" ({len(lonely)} such labels)"
+            )
+        lonely = sorted(set(images) - set(labels))
+        if lonely:
+            raise ValueError(
+                f"{images[lonely[0]]}: an image with no label of the same stem in {lab_dir}"
+                f" ({len(lonely)} such images)"
+            )
+        if not images:
+            raise ValueError(f"{self.root}: no image/label pairs in {images_dir}/ and {labels_dir}/")
+        self.items = [(s, images[s], labels[s]) for s in sorted(images)]
+
+    def read_raw(self, path: Path) -> np.ndarray:
+        if self.colors is None:
+            return read_label_png(path, self.label_what)
+        arr = np.asarray(open_image(path, self.label_what).convert("RGB")).astype(np.int64)
+        code = (arr[..., 0] << 16) | (arr[..., 1] << 8) | arr[..., 2]
+        table = np.array([(r << 16) | (g << 8) | b for r, g, b in self.colors], dtype=np.int64)
+        values = np.array([*range(self.num_classes), self.source_ignore][: len(table)], dtype=np.uint8)
+        order = np.argsort(table)
+        pos = np.clip(np.searchsorted(table[order], code), 0, len(table) - 1)
+        found = table[order][pos] == code
+        if not found.all():
+            bad = np.unique(code[~found])[:10]
+            rgb = [((int(c) >> 16) & 255, (int(c) >> 8) & 255, int(c) & 255) for c in bad]
+            raise ValueError(
+                f"{path}: expected {self.label_what}, found colours that are neither a class nor"
+                f" ignore_color: {rgb}"
+            )
+        return values[order][pos]

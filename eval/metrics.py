@@ -17,8 +17,9 @@ Binary (ImageNet-segmentation protocol, Chefer et al.'s evaluation code):
 Multi-class (DiffSeg protocol): per image, Hungarian matching (scipy
 ``linear_sum_assignment``, maximising matched pixels) between predicted segments and the
 ground-truth classes; TP / FP / FN summed over the set (pixels of unmatched segments count
-as FN of their true class only); ``ACC = sum TP / sum labeled``,
-``mIoU = nanmean_c TP_c / (TP_c + FP_c + FN_c)``.
+as FN of their true class only); ``ACC = sum TP / sum labeled`` (``pixAcc`` in the tables),
+``mIoU = nanmean_c TP_c / (TP_c + FP_c + FN_c)``, the per-class IoU, and the mean number of
+predicted segments per image (one-to-one matching penalises too few and too many).
 """
 
 from __future__ import annotations
@@ -215,15 +216,19 @@ class MulticlassScores:
         mIoU: ``nanmean_c`` of the per-class IoU (classes never seen nor predicted excluded).
         iou: per-class IoU (NaN where ``TP + FP + FN = 0``).
         images: number of images scored.
+        regions: mean number of predicted segments per image.
     """
 
     ACC: float
     mIoU: float
     iou: tuple[float, ...]
     images: int
+    regions: float = 0.0
 
     def percent(self) -> dict[str, float | int]:
-        return {"ACC": 100.0 * self.ACC, "mIoU": 100.0 * self.mIoU, "images": self.images}
+        """``pixAcc`` (= ``ACC``) and ``mIoU`` in percent, ``regions`` per image, ``images``."""
+        return {"pixAcc": 100.0 * self.ACC, "mIoU": 100.0 * self.mIoU, "regions": self.regions,
+                "images": self.images}
 
 
 @dataclass
@@ -234,6 +239,7 @@ class MulticlassState:
         tp, fp, fn: per-class counts, length ``K``.
         labeled: pixels with a valid ground-truth class.
         images: number of images.
+        regions: predicted segments, summed over the images.
     """
 
     tp: list[int]
@@ -241,6 +247,7 @@ class MulticlassState:
     fn: list[int]
     labeled: int = 0
     images: int = 0
+    regions: int = 0
 
     @classmethod
     def zero(cls, num_classes: int) -> MulticlassState:
@@ -257,6 +264,7 @@ class MulticlassState:
             fn=[a + b for a, b in zip(self.fn, other.fn)],
             labeled=self.labeled + other.labeled,
             images=self.images + other.images,
+            regions=self.regions + other.regions,
         )
 
     def scores(self) -> MulticlassScores:
@@ -270,12 +278,13 @@ class MulticlassState:
             mIoU=miou,
             iou=tuple(float(x) for x in iou),
             images=self.images,
+            regions=self.regions / self.images if self.images else 0.0,
         )
 
     def to_dict(self) -> dict:
         return {
             "kind": "multiclass", "tp": list(self.tp), "fp": list(self.fp), "fn": list(self.fn),
-            "labeled": self.labeled, "images": self.images,
+            "labeled": self.labeled, "images": self.images, "regions": self.regions,
         }
 
     @classmethod
@@ -284,28 +293,22 @@ class MulticlassState:
             raise ValueError(f"not a multi-class metric state: {d!r}")
         return cls(
             tp=[int(x) for x in d["tp"]], fp=[int(x) for x in d["fp"]], fn=[int(x) for x in d["fn"]],
-            labeled=int(d["labeled"]), images=int(d["images"]),
+            labeled=int(d["labeled"]), images=int(d["images"]), regions=int(d["regions"]),
         )
 
 
-def hungarian_state(
-    pred: Tensor | np.ndarray,
-    gt: Tensor | np.ndarray,
-    num_classes: int,
-) -> MulticlassState:
-    """One image's TP / FP / FN after Hungarian matching of segments to classes.
+@dataclass
+class _Matching:
+    k: int
+    hist: np.ndarray  # (K, max(K, S)) pixels of class c in segment s
+    rows: np.ndarray  # matched classes
+    cols: np.ndarray  # their segments (contiguous ids)
+    valid: np.ndarray  # (P,) pixels with a class in [0, K)
+    segments: np.ndarray  # (S,) the segment ids present
+    inverse: np.ndarray  # (P,) contiguous segment id of every pixel
 
-    The histogram ``hist[c, s]`` counts pixels of class ``c`` predicted as segment ``s``
-    (pixels whose class lies outside ``[0, K)``, e.g. 255, are ignored). It has at least
-    ``K`` columns, so every class is matched (possibly to an empty segment); matching
-    maximises the matched pixels. Per class: ``TP = hist[c, s(c)]``, ``FN = row sum - TP``
-    (this includes pixels of segments left unmatched), ``FP = column sum of s(c) - TP``.
 
-    Args:
-        pred: ``(H, W)`` non-negative integer segment ids (any ids, any count).
-        gt: ``(H, W)`` integer classes in ``[0, K)``; anything else is ignored.
-        num_classes: ``K``.
-    """
+def _match(pred: Tensor | np.ndarray, gt: Tensor | np.ndarray, num_classes: int) -> _Matching:
     from scipy.optimize import linear_sum_assignment
 
     p = _np(pred).astype(np.int64).ravel()
@@ -321,13 +324,62 @@ def hungarian_state(
     n = max(k, len(segs))
     hist = np.bincount(n * g[valid] + p[valid], minlength=k * n).reshape(k, n)
     rows, cols = linear_sum_assignment(hist, maximize=True)
+    real = hist[rows, cols] > 0  # a pair with no common pixel is no match (solver ties)
+    return _Matching(k, hist, rows[real], cols[real], valid, segs, p)
+
+
+def matched_classes(pred: Tensor | np.ndarray, gt: Tensor | np.ndarray, num_classes: int) -> np.ndarray:
+    """Every pixel's class under the image's Hungarian matching (for panels).
+
+    Args:
+        pred: ``(H, W)`` non-negative segment ids.
+        gt: ``(H, W)`` classes in ``[0, K)``; anything else is ignored.
+        num_classes: ``K``.
+
+    Returns:
+        ``(H, W)`` int64: the class matched to the pixel's segment, or ``-1 - j`` for pixels of
+        the ``j``-th unmatched segment.
+    """
+    m = _match(pred, gt, num_classes)
+    seg_class = -1 - np.arange(max(m.k, len(m.segments)), dtype=np.int64)
+    seg_class[m.cols] = m.rows
+    unmatched = seg_class < 0
+    seg_class[unmatched] = -1 - np.arange(int(unmatched.sum()))
+    return seg_class[m.inverse].reshape(_np(pred).shape)
+
+
+def hungarian_state(
+    pred: Tensor | np.ndarray,
+    gt: Tensor | np.ndarray,
+    num_classes: int,
+) -> MulticlassState:
+    """One image's TP / FP / FN after Hungarian matching of segments to classes.
+
+    The histogram ``hist[c, s]`` counts pixels of class ``c`` predicted as segment ``s``
+    (pixels whose class lies outside ``[0, K)``, e.g. 255, are ignored). It has at least
+    ``K`` columns, so every class is matched (possibly to an empty segment); matching
+    maximises the matched pixels. Per class: ``TP = hist[c, s(c)]``, ``FN = row sum - TP``
+    (this includes pixels of segments left unmatched), ``FP = column sum of s(c) - TP``.
+    A class and a segment with no pixel in common are never a match (the solver may pair
+    them in a tie): such a class has ``TP = FP = 0`` and such a segment counts as
+    unmatched, so the scores do not depend on how the solver breaks ties.
+    ``regions`` counts the distinct segment ids of the whole prediction.
+
+    Args:
+        pred: ``(H, W)`` non-negative integer segment ids (any ids, any count).
+        gt: ``(H, W)`` integer classes in ``[0, K)``; anything else is ignored.
+        num_classes: ``K``.
+    """
+    m = _match(pred, gt, num_classes)
+    k, hist, rows, cols, valid, segs = m.k, m.hist, m.rows, m.cols, m.valid, m.segments
     tp = np.zeros(k, dtype=np.int64)
     tp[rows] = hist[rows, cols]
     fn = hist.sum(1) - tp
     fp = np.zeros(k, dtype=np.int64)
     fp[rows] = hist[:, cols].sum(0) - hist[rows, cols]
     return MulticlassState(
-        tp=tp.tolist(), fp=fp.tolist(), fn=fn.tolist(), labeled=int(valid.sum()), images=1
+        tp=tp.tolist(), fp=fp.tolist(), fn=fn.tolist(), labeled=int(valid.sum()), images=1,
+        regions=len(segs),
     )
 
 

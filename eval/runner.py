@@ -54,10 +54,11 @@ from segment.eval.metrics import (
     State,
     binary_states,
     hungarian_state,
+    matched_classes,
     state_from_dict,
     total,
 )
-from segment.masks import MethodOutput, heatmap_at, labels_at, minmax, threshold_mean, to_masks
+from segment.masks import MethodOutput, labels_at, minmax, threshold_mean, to_masks
 from segment.record import AttentionRecord, Capture
 from segment.utils import (  # noqa: F401  (exit codes re-exported for callers)
     EXIT_BAD_INPUT,
@@ -72,7 +73,7 @@ from segment.utils import (  # noqa: F401  (exit codes re-exported for callers)
 log = logging.getLogger(__name__)
 
 BINARY_COLUMNS = ("pixAcc", "mIoU", "mIoU_CA", "mAP")
-MULTICLASS_COLUMNS = ("ACC", "mIoU")
+MULTICLASS_COLUMNS = ("pixAcc", "mIoU", "regions")  # + per-class IoU; regions: mean per image
 
 
 class ConfigError(ValueError):
@@ -357,16 +358,87 @@ def _gray(mask: Tensor | np.ndarray) -> np.ndarray:
     return np.repeat((m.astype(np.uint8) * 255)[..., None], 3, axis=2)
 
 
-def write_panel(path: Path, image, target: np.ndarray, rows: list[tuple[str, list[np.ndarray]]]) -> None:
-    """One PNG: per method a row ``image | heatmap | mask | ground truth`` (labelled)."""
+# distinct class colours (Tableau 20, dark then light); more classes take seeded random ones
+_TAB20 = np.array([
+    (31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
+    (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207),
+    (174, 199, 232), (255, 187, 120), (152, 223, 138), (255, 152, 150), (197, 176, 213),
+    (196, 156, 148), (247, 182, 210), (199, 199, 199), (219, 219, 141), (158, 218, 229),
+], dtype=np.uint8)
+
+
+def class_palette(k: int) -> np.ndarray:
+    """``(k, 3)`` uint8: one fixed colour per class (the same in every panel)."""
+    if k <= len(_TAB20):
+        return _TAB20[:k].copy()
+    rng = np.random.default_rng(27)
+    return np.concatenate([_TAB20, rng.integers(30, 256, (k - len(_TAB20), 3), dtype=np.uint8)])
+
+
+def colour_classes(cls: np.ndarray, k: int) -> np.ndarray:
+    """``(H, W)`` class map -> RGB: classes ``0..k-1`` in :func:`class_palette`, negative
+    values (segments left unmatched, see :func:`matched_classes`) in dark shades of grey,
+    anything else (ignored pixels) black."""
+    pal = class_palette(k)
+    out = np.zeros((*cls.shape, 3), np.uint8)
+    ok = (cls >= 0) & (cls < k)
+    out[ok] = pal[cls[ok]]
+    un = cls < 0
+    out[un] = (40 + 25 * ((-cls[un] - 1) % 4)).astype(np.uint8)[:, None]
+    return out
+
+
+def _text_strip(width: int, items: list[tuple[int, str]], height: int = 18,
+                swatches: np.ndarray | None = None) -> np.ndarray:
+    """A white strip with ``(x, text)`` labels (and a colour swatch before each, if given)."""
+    import cv2
+
+    head = np.full((height, width, 3), 255, np.uint8)
+    for n, (x, text) in enumerate(items):
+        if swatches is not None:
+            head[4 : height - 4, x : x + 10] = swatches[n]
+            x += 13
+        cv2.putText(head, text, (x + 2, 13), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (0, 0, 0), 1, cv2.LINE_AA)
+    return head
+
+
+def _legend(width: int, names: list[str]) -> list[np.ndarray]:
+    """Colour key of the classes: strips of ``[swatch] name`` wrapped to ``width``."""
+    pal = class_palette(len(names))
+    strips, items, x = [], [], 0
+    for c, name in enumerate(names):
+        step = 22 + 8 * len(name)
+        if x + step > width and items:
+            strips.append(_text_strip(width, [(xi, t) for xi, t, _ in items], swatches=pal[[ci for _, _, ci in items]]))
+            items, x = [], 0
+        items.append((x, name, c))
+        x += step
+    if items:
+        strips.append(_text_strip(width, [(xi, t) for xi, t, _ in items], swatches=pal[[ci for _, _, ci in items]]))
+    return strips
+
+
+def write_panel(path: Path, image, target: np.ndarray, rows: list[tuple[str, list[np.ndarray]]],
+                columns: Sequence[str] | None = None, class_names: Sequence[str] | None = None) -> None:
+    """One PNG: per method a row ``image | heatmap | mask | ground truth`` (labelled).
+
+    Multi-class sets (``class_names`` given): rows are ``image | labels | ground truth``, the
+    ground truth in :func:`class_palette` colours (ignored pixels black) above a colour key;
+    ``columns`` names the columns in a header.
+    """
     import cv2
     from PIL import Image
 
     h, w = target.shape
     img = np.asarray(image.convert("RGB").resize((w, h), Image.BILINEAR))
-    gt = _palette()[target] if target.dtype != bool else _gray(target)
+    if class_names is not None:
+        gt = colour_classes(target.astype(np.int64), len(class_names))
+    else:
+        gt = _palette()[target] if target.dtype != bool else _gray(target)
     pad = 4
     lines = []
+    if columns:
+        lines.append(_text_strip((w + pad) * len(columns), [(c * (w + pad), t) for c, t in enumerate(columns)]))
     for label, tiles in rows:
         row = [img, *tiles, gt]
         row = [np.pad(t, ((0, 0), (0, pad), (0, 0)), constant_values=255) for t in row]
@@ -374,6 +446,8 @@ def write_panel(path: Path, image, target: np.ndarray, rows: list[tuple[str, lis
         head = np.full((18, strip.shape[1], 3), 255, np.uint8)
         cv2.putText(head, label, (2, 13), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (0, 0, 0), 1, cv2.LINE_AA)
         lines.append(np.concatenate([head, strip, np.full((pad, strip.shape[1], 3), 255, np.uint8)], 0))
+    if class_names is not None:
+        lines.extend(_legend(lines[-1].shape[1], list(class_names)))
     canvas = np.concatenate(lines, 0)
     buf = io.BytesIO()
     Image.fromarray(canvas).save(buf, format="PNG")
@@ -388,29 +462,41 @@ def write_panel(path: Path, image, target: np.ndarray, rows: list[tuple[str, lis
 
 @dataclass
 class Results:
-    """The table: one row per method, scores in percent."""
+    """The table: one row per method, scores in percent.
+
+    Multi-class rows also hold ``regions`` (mean predicted segments per image) and ``iou``
+    (class name -> IoU in percent, ``None`` for a class never seen nor predicted), shown as
+    one column per class in the CSV (``IoU_<name>``) and Markdown tables.
+    """
 
     task: str
     rows: list[dict[str, Any]] = field(default_factory=list)
+    class_names: tuple[str, ...] = ()
 
     @property
     def columns(self) -> tuple[str, ...]:
         return BINARY_COLUMNS if self.task == "binary" else MULTICLASS_COLUMNS
 
+    def _class_values(self, r: dict[str, Any]) -> list[str]:
+        iou = r.get("iou") or {}
+        return ["" if iou.get(c) is None else f"{iou[c]:.2f}" for c in self.class_names]
+
     def markdown(self) -> str:
-        cols = ("method", *self.columns, "images")
+        cols = ("method", *self.columns, *self.class_names, "images")
         lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for r in self.rows:
-            vals = [r["method"], *(f"{r[c]:.2f}" for c in self.columns), str(r["images"])]
-            lines.append("| " + " | ".join(vals) + " |")
+            vals = [r["method"], *(f"{r[c]:.2f}" for c in self.columns), *self._class_values(r),
+                    str(r["images"])]
+            lines.append("| " + " | ".join(v or "-" for v in vals) + " |")
         return "\n".join(lines) + "\n"
 
     def csv(self) -> str:
         buf = io.StringIO()
-        wr = csv.DictWriter(buf, fieldnames=["method", *self.columns, "images"], lineterminator="\n")
-        wr.writeheader()
+        per_class = [f"IoU_{c}" for c in self.class_names]
+        wr = csv.writer(buf, lineterminator="\n")
+        wr.writerow(["method", *self.columns, *per_class, "images"])
         for r in self.rows:
-            wr.writerow({k: r[k] for k in ["method", *self.columns, "images"]})
+            wr.writerow([r["method"], *(r[c] for c in self.columns), *self._class_values(r), r["images"]])
         return buf.getvalue()
 
     def write(self, out: Path) -> None:
@@ -419,12 +505,22 @@ class Results:
         atomic_write_text(out / "results.md", self.markdown())
 
 
-def _row(label: str, state: State) -> dict[str, Any]:
+def _row(label: str, state: State, class_names: Sequence[str] = ()) -> dict[str, Any]:
     sc = state.scores()
     row: dict[str, Any] = {"method": label, **sc.percent()}
     if isinstance(state, MulticlassState):
-        row["iou"] = [None if math.isnan(x) else 100.0 * x for x in sc.iou]
+        names = list(class_names) or [str(i) for i in range(len(sc.iou))]
+        row["iou"] = {c: None if math.isnan(x) else 100.0 * x for c, x in zip(names, sc.iou)}
     return row
+
+
+def class_names_of(dataset: Any) -> tuple[str, ...]:
+    """The data set's class names for tables and panels (``"0", "1", ...`` when it has none)."""
+    names = getattr(dataset, "class_names", None)
+    k = int(dataset.num_classes)
+    if names is None or len(names) != k or len(set(names)) != k:
+        return tuple(str(i) for i in range(k))
+    return tuple(str(c) for c in names)
 
 
 # ---------------------------------------------------------------------------------------
@@ -542,10 +638,11 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
     for part in gathered or []:
         per_image.update(part)
     empty = (lambda: BinaryState()) if dataset.task == "binary" else (lambda: MulticlassState.zero(dataset.num_classes))
-    results = Results(task=dataset.task)
+    names = class_names_of(dataset) if dataset.task == "multiclass" else ()
+    results = Results(task=dataset.task, class_names=names)
     for s in specs:
         acc = total((state_from_dict(per_image[i][s.key]) for i in indices), empty())
-        results.rows.append(_row(s.label, acc))
+        results.rows.append(_row(s.label, acc, names))
     results.write(out_dir)
     atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg))
     print(results.markdown(), end="")
@@ -592,16 +689,22 @@ def _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at) -> N
                 for j, i in enumerate(idx):
                     states[i][s.key] = new[j]
                 if panel_rows:
-                    _panel_tiles(panel_rows, out, targets, mask_at, s.label, dataset.task)
+                    _panel_tiles(panel_rows, out, targets, mask_at, s.label, dataset.task,
+                                 dataset.num_classes)
         for j, i in enumerate(idx):
             cache.save(batch[j].name, states[i])
         for j, rows in panel_rows.items():
-            write_panel(out_dir / "panels" / f"{_SAFE.sub('_', batch[j].name)}.png", batch[j].image, batch[j].target, rows)
+            if dataset.task == "binary":
+                write_panel(out_dir / "panels" / f"{_SAFE.sub('_', batch[j].name)}.png", batch[j].image, batch[j].target, rows)
+            else:
+                write_panel(out_dir / "panels" / f"{_SAFE.sub('_', batch[j].name)}.png", batch[j].image,
+                            batch[j].target, rows, columns=["image", "labels (matched class)", "ground truth"],
+                            class_names=class_names_of(dataset))
         bar.update(len(batch))
     bar.close()
 
 
-def _panel_tiles(panel_rows, out: MethodOutput, targets, mask_at, label, task) -> None:
+def _panel_tiles(panel_rows, out: MethodOutput, targets, mask_at, label, task, num_classes=2) -> None:
     for j in panel_rows:
         size = tuple(targets[j].shape)
         one = MethodOutput(
@@ -612,7 +715,7 @@ def _panel_tiles(panel_rows, out: MethodOutput, targets, mask_at, label, task) -
         if task == "binary":
             ((r, m),) = _method_maps(one, [size], mask_at)
             panel_rows[j].append((label, [_colour_heat(r), _gray(m)]))
-        else:
-            r = heatmap_at(one.heatmap, size)[0]
-            lab = labels_at(one.labels, size)[0].cpu().numpy() % 255
-            panel_rows[j].append((label, [_colour_heat(r), _palette()[lab]]))
+        else:  # segments coloured by the class the image's Hungarian matching gives them
+            lab = labels_at(one.labels, size)[0].cpu().numpy()
+            cls = matched_classes(lab, targets[j].numpy(), num_classes)
+            panel_rows[j].append((f"{label}: {len(np.unique(lab))} regions", [colour_classes(cls, num_classes)]))

@@ -18,6 +18,7 @@ from segment.datasets.multiclass import (
     COCOSTUFF_FINE_TO_COARSE,
     Cityscapes27,
     CocoStuff27,
+    LabelFolder,
 )
 
 # ---------------------------------------------------------------- ImageNet-segmentation
@@ -340,3 +341,110 @@ def test_cityscapes27(tmp_path):
     (root / "gtFine" / "val" / "lindau" / "lindau_000000_000019_gtFine_labelIds.png").unlink()
     with pytest.raises(FileNotFoundError, match="labelIds"):
         Cityscapes27(root)
+
+
+# ---------------------------------------------------------------- label folders (CamVid layout)
+
+
+def _label_folder(root: Path, n: int = 2, h: int = 6, w: int = 8) -> list[np.ndarray]:
+    """``n`` images + class-id PNGs (K = 3, 11 = void) under root/images, root/labels."""
+    rng = np.random.default_rng(0)
+    labels = []
+    for i in range(n):
+        lab = rng.integers(0, 3, (h, w)).astype(np.uint8)
+        lab[0, 0] = 11
+        _save(root / "images" / f"f{i}.png", rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        _save(root / "labels" / f"f{i}.png", lab)
+        labels.append(lab)
+    return labels
+
+
+def test_label_folder_reads_class_ids_at_the_label_resolution(tmp_path):
+    labels = _label_folder(tmp_path)
+    ds = LabelFolder(tmp_path, num_classes=3, ignore_index=11, class_names=["a", "b", "c"])
+    assert ds.task == "multiclass" and ds.num_classes == 3 and ds.class_names == ("a", "b", "c")
+    assert len(ds) == 2 and ds.names() == ["f0", "f1"]
+    s = ds[1]
+    assert s.image.size == (8, 6) and s.target.shape == (6, 8) and s.target.dtype == np.int64
+    want = labels[1].astype(np.int64)
+    want[want == 11] = 255  # the file's ignore value becomes the project's 255
+    np.testing.assert_array_equal(s.target, want)
+    # size and crop knobs
+    sized = LabelFolder(tmp_path, num_classes=3, ignore_index=11, size=(3, 4))
+    np.testing.assert_array_equal(sized[1].target, resize_nearest(want, (3, 4)))
+    cropped = LabelFolder(tmp_path, num_classes=3, ignore_index=11, crop="center")
+    assert cropped[1].image.size == (6, 6)
+    box = center_crop_box(8, 6)
+    np.testing.assert_array_equal(cropped[1].target, want[box[1]:box[3], box[0]:box[2]])
+    pickle.loads(pickle.dumps(ds))
+
+
+def test_label_folder_colour_table(tmp_path):
+    colors = [(128, 128, 128), (128, 0, 0), (0, 0, 192)]
+    ids = np.array([[0, 1, 2, 3], [2, 2, 1, 0]])
+    table = np.array([*colors, (0, 0, 0)], dtype=np.uint8)
+    _save(tmp_path / "images" / "a.jpg", np.zeros((2, 4, 3), np.uint8))
+    _save(tmp_path / "labels" / "a.png", table[ids])
+    ds = LabelFolder(tmp_path, num_classes=3, colors=colors, ignore_color=(0, 0, 0))
+    assert ds[0].target.tolist() == [[0, 1, 2, 255], [2, 2, 1, 0]]
+    with pytest.raises(ValueError, match=r"a.png: .*neither a class nor ignore_color: \[\(0, 0, 0\)\]"):
+        LabelFolder(tmp_path, num_classes=3, colors=colors)[0]
+    with pytest.raises(ValueError, match="3 RGB triples"):
+        LabelFolder(tmp_path, num_classes=3, colors=colors[:2])
+    with pytest.raises(ValueError, match="needs colors"):
+        LabelFolder(tmp_path, num_classes=3, ignore_color=(0, 0, 0))
+
+
+def test_label_folder_bad_input(tmp_path):
+    root = tmp_path / "set"
+    _label_folder(root)
+    # a label with no image
+    _save(root / "labels" / "orphan.png", np.zeros((6, 8), np.uint8))
+    with pytest.raises(ValueError, match=r"labels/orphan.png: a label with no image"):
+        LabelFolder(root, num_classes=3, ignore_index=11)
+    (root / "labels" / "orphan.png").unlink()
+    # an image with no label
+    _save(root / "images" / "lonely.png", np.zeros((6, 8, 3), np.uint8))
+    with pytest.raises(ValueError, match=r"images/lonely.png: an image with no label"):
+        LabelFolder(root, num_classes=3, ignore_index=11)
+    (root / "images" / "lonely.png").unlink()
+    # a size mismatch
+    _save(root / "labels" / "f1.png", np.zeros((5, 8), np.uint8))
+    ds = LabelFolder(root, num_classes=3, ignore_index=11)
+    ds[0]
+    with pytest.raises(ValueError, match=r"f1.png: labels are 8x5, the image .*f1.png is 8x6"):
+        ds[1]
+    # a value that is neither a class nor the ignore index
+    bad = np.zeros((6, 8), np.uint8)
+    bad[2, 3] = 7
+    _save(root / "labels" / "f1.png", bad)
+    with pytest.raises(ValueError, match=r"f1.png: expected a label PNG with class ids 0..2 and 11 .*values \[7\]"):
+        ds[1]
+    # knobs
+    with pytest.raises(ValueError, match="ignore_index"):
+        LabelFolder(root, num_classes=3, ignore_index=2)
+    with pytest.raises(ValueError, match="class_names has 2 names"):
+        LabelFolder(root, num_classes=3, ignore_index=11, class_names=["a", "b"])
+    with pytest.raises(ValueError, match="crop"):
+        LabelFolder(root, num_classes=3, ignore_index=11, crop="left")
+    with pytest.raises(FileNotFoundError, match="labels of a label-folder"):
+        LabelFolder(root, num_classes=3, labels_dir="nope")
+
+
+def test_camvid_dev(shared_dir):
+    """The shared CamVid split through configs/dataset/camvid.yaml (reads 3 items)."""
+    from hydra import compose, initialize_config_module
+    from hydra.utils import instantiate
+
+    root = shared_dir / "data" / "camvid-dev"
+    if not (root / "images").is_dir():
+        pytest.skip(f"{root} is missing")
+    with initialize_config_module("segment.configs", version_base="1.3"):
+        cfg = compose("eval", overrides=["dataset=camvid", f"dataset.root={root}"])
+    ds = instantiate(cfg.dataset)
+    assert len(ds) == 101 and ds.num_classes == 11 and ds.class_names[3] == "road"
+    for i in (0, 50, 100):
+        s = ds[i]
+        assert s.image.size == (480, 360) and s.target.shape == (360, 480)
+        vals = set(np.unique(s.target).tolist())
+        assert vals <= set(range(11)) | {255} and len(vals & set(range(11))) >= 4

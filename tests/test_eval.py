@@ -104,7 +104,7 @@ def read_rows(out: Path) -> list[dict]:
 # ------------------------------------------------------------------------------ configs
 
 
-@pytest.mark.parametrize("name", ["imagenet_seg", "folder", "coco", "cocostuff27", "cityscapes27"])
+@pytest.mark.parametrize("name", ["imagenet_seg", "folder", "coco", "cocostuff27", "cityscapes27", "labels", "camvid"])
 def test_every_dataset_config_composes(name):
     cfg = cfg_for(f"dataset={name}", *TINY)
     assert cfg.dataset._target_.startswith("segment.datasets.")
@@ -341,7 +341,7 @@ def test_multiclass_end_to_end(tmp_path, monkeypatch, counting):
     assert run_eval(cfg) == EXIT_OK
     (row,) = read_rows(out)
     assert row["method"] == "regions" and row["images"] == 3
-    assert 0 <= row["ACC"] <= 100 and 0 <= row["mIoU"] <= 100 and len(row["iou"]) == 27
+    assert 0 <= row["pixAcc"] <= 100 and 0 <= row["mIoU"] <= 100 and len(row["iou"]) == 27
     # the same from the metric directly, with the run's backbone
     from segment.datasets.multiclass import Cityscapes27
     from segment.eval.metrics import MulticlassState, hungarian_state
@@ -355,11 +355,79 @@ def test_multiclass_end_to_end(tmp_path, monkeypatch, counting):
         s = ds[i]
         o = m(bb.extract(bb.collate([s.image]), m.capture(bb.num_layers)))  # one image per batch
         st = st + hungarian_state(labels_at(o.labels, (32, 32))[0], s.target, 27)
-    assert row["ACC"] == pytest.approx(100 * st.scores().ACC)
+    assert row["pixAcc"] == pytest.approx(100 * st.scores().ACC)
     assert row["mIoU"] == pytest.approx(100 * st.scores().mIoU)
+    assert row["regions"] == pytest.approx(st.scores().regions) and 1 <= row["regions"] <= 3
+    assert list(row["iou"]) == list(Cityscapes27.class_names)
     # a heatmap-only method cannot be scored on a multi-class set
     cfg = cfg_for(*TINY, "dataset=cityscapes27", f"dataset.root={root}", f"output={tmp_path / 'o2'}")
     assert run_eval(cfg) == EXIT_BAD_INPUT
+
+
+def test_label_folder_tables_and_panels(tmp_path, monkeypatch, counting):
+    """dataset=labels end to end: pixAcc, mIoU, regions and per-class IoU (named) in
+    results.json / .csv / .md, equal to the metric on the same predictions; class panels."""
+    mod = types.ModuleType("segment_test_methods")
+    mod.QuantileRegions = QuantileRegions
+    monkeypatch.setitem(sys.modules, "segment_test_methods", mod)
+    root = tmp_path / "set"
+    rng = np.random.default_rng(1)
+    for i in range(3):
+        _save_png(root / "images" / f"s{i}.png", rng.integers(0, 256, (30, 40, 3), dtype=np.uint8))
+        lab = rng.integers(0, 3, (30, 40)).astype(np.uint8)
+        lab[:4] = 9  # void
+        _save_png(root / "labels" / f"s{i}.png", lab)
+    out = tmp_path / "out"
+    cfg = cfg_for(*TINY, "dataset=labels", f"dataset.root={root}", "dataset.num_classes=3", "dataset.ignore_index=9",
+                  "dataset.class_names=[road,sky,car]", "model.image_size=[28,42]", "batch_size=2", f"output={out}",
+                  "include_default=false", "+methods.quant._target_=segment_test_methods.QuantileRegions", "panels=1")
+    assert run_eval(cfg) == EXIT_OK
+    (row,) = read_rows(out)
+    assert set(row) == {"method", "pixAcc", "mIoU", "regions", "iou", "images"}
+    assert list(row["iou"]) == ["road", "sky", "car"] and row["images"] == 3
+    # the same from the metric on the method's own labels at the label resolution (30 x 40)
+    from segment.datasets.multiclass import LabelFolder
+    from segment.eval.metrics import MulticlassState, hungarian_state
+    from segment.masks import labels_at
+
+    bb, m = counting[0].inner, QuantileRegions()
+    ds = LabelFolder(root, num_classes=3, ignore_index=9)
+    st = MulticlassState.zero(3)
+    for i in range(3):
+        s = ds[i]
+        assert s.target.shape == (30, 40)
+        o = m(bb.extract(bb.collate([s.image]), m.capture(bb.num_layers)))
+        st = st + hungarian_state(labels_at(o.labels, (30, 40))[0], s.target, 3)
+    sc = st.scores()
+    assert row["pixAcc"] == pytest.approx(100 * sc.ACC) and row["mIoU"] == pytest.approx(100 * sc.mIoU)
+    assert row["regions"] == pytest.approx(sc.regions) and row["regions"] == 3.0
+    assert [row["iou"][c] for c in ("road", "sky", "car")] == pytest.approx([100 * x for x in sc.iou])
+    lines = list(csv.reader((out / "results.csv").read_text().splitlines()))
+    assert lines[0] == ["method", "pixAcc", "mIoU", "regions", "IoU_road", "IoU_sky", "IoU_car", "images"]
+    assert float(lines[1][6]) == pytest.approx(row["iou"]["car"], abs=0.006)
+    md = (out / "results.md").read_text().splitlines()
+    assert md[0] == "| method | pixAcc | mIoU | regions | road | sky | car | images |"
+    assert md[2].startswith(f"| quant | {row['pixAcc']:.2f} | {row['mIoU']:.2f} | 3.00 |")
+    panel = np.asarray(Image.open(out / "panels" / "s0.png").convert("RGB"))
+    assert panel.shape[1] == 3 * (40 + 4)  # image | labels | ground truth
+    from segment.eval.runner import class_palette
+
+    colours = {tuple(c) for c in panel.reshape(-1, 3).tolist()}
+    assert all(tuple(c) in colours for c in class_palette(3).tolist())  # class colours (and the key)
+    # a label value that is neither a class nor the ignore index: a one-line error naming the file
+    bad = np.zeros((30, 40), np.uint8)
+    bad[5, 5] = 4
+    _save_png(root / "labels" / "s1.png", bad)
+    cfg = cfg_for(*TINY, "dataset=labels", f"dataset.root={root}", "dataset.num_classes=3", "dataset.ignore_index=9",
+                  f"output={tmp_path / 'o2'}", "include_default=false",
+                  "+methods.quant._target_=segment_test_methods.QuantileRegions", "cache=false")
+    with pytest.raises(ValueError, match=r"s1.png: .*values \[4\]"):
+        run_eval(cfg)
+
+
+def _save_png(path: Path, arr: np.ndarray) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(arr).save(path)
 
 
 # ------------------------------------------------------------------------------ distributed

@@ -15,6 +15,7 @@ from segment.eval.metrics import (
     MulticlassState,
     binary_states,
     hungarian_state,
+    matched_classes,
     miou_ca,
     pooled_average_precision,
     state_from_dict,
@@ -194,6 +195,41 @@ def test_hungarian_hand_computed_with_unmatched_segment_and_ignore():
     sc = s.scores()
     assert sc.ACC == pytest.approx(4 / 5)
     assert sc.mIoU == pytest.approx((2 / 3 + 1) / 2)
+
+
+def test_hungarian_hand_computed_three_classes_ignore_unmatched_and_regions():
+    # K = 3 classes, ignore 255, 4 segments (7, 3, 5, 9); class 2 never appears in gt.
+    gt = np.array([[0, 0, 0, 1],
+                   [0, 0, 1, 1],
+                   [255, 1, 1, 1]])
+    pred = np.array([[7, 7, 3, 5],
+                     [7, 7, 5, 5],
+                     [9, 3, 5, 9]])
+    # hist[class, segment] over labelled pixels, segments sorted (3, 5, 7, 9):
+    #   class 0: seg 3: 1, seg 7: 4            -> row [1, 0, 4, 0]
+    #   class 1: seg 3: 1, seg 5: 4, seg 9: 1  -> row [1, 4, 0, 1]
+    #   class 2: nothing                        -> row [0, 0, 0, 0]
+    # best one-to-one matching: 0 -> 7 (4), 1 -> 5 (4); class 2 shares no pixel with the
+    # segments left (3, 9): no match, whatever pair the solver returns for it in the tie
+    s = hungarian_state(pred, gt, 3)
+    assert s.tp == [4, 4, 0]
+    assert s.fn == [1, 2, 0]  # class 0: its pixel in unmatched seg 3; class 1: its pixels in 3 and 9
+    assert s.fp == [0, 0, 0]  # unmatched segments are FN only; the 255 pixel counts nowhere
+    assert s.labeled == 11
+    assert s.regions == 4
+    sc = s.scores()
+    assert sc.ACC == pytest.approx(8 / 11)
+    assert sc.iou[0] == pytest.approx(4 / 5) and sc.iou[1] == pytest.approx(4 / 6)
+    assert np.isnan(sc.iou[2])  # never seen, never matched: left out of the mean
+    assert sc.mIoU == pytest.approx((4 / 5 + 4 / 6) / 2)
+    assert sc.percent()["regions"] == 4 and sc.percent()["pixAcc"] == pytest.approx(800 / 11)
+    # the same matching paints the panels: matched segments take their class, others < 0
+    cls = matched_classes(pred, gt, 3)
+    assert cls[0, 0] == 0 and cls[1, 2] == 1 and cls[0, 2] < 0 and cls[2, 0] < 0 and cls[0, 2] != cls[2, 0]
+    # two images: the regions count adds up, the mean is per image
+    two = s + hungarian_state(np.zeros((2, 2), int), np.zeros((2, 2), int), 3)
+    assert two.regions == 5 and two.scores().regions == 2.5
+    assert state_from_dict(two.to_dict()) == two
 
 
 def test_hungarian_fewer_segments_than_classes():

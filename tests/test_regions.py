@@ -323,7 +323,7 @@ def test_multiclass_experiment_grid_vs_tokenrank_seeds(tmp_path):
     rows = json.loads((out / "results.json").read_text())
     assert [r["method"] for r in rows] == ["grid_seeds", "tokenrank_seeds"]
     for r in rows:
-        assert r["images"] == 2 and 0 <= r["ACC"] <= 100 and len(r["iou"]) == 27
+        assert r["images"] == 2 and 0 <= r["pixAcc"] <= 100 and len(r["iou"]) == 27
 
 
 # ---------------------------------------------------------------- the recipe's score and heat
