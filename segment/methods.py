@@ -521,7 +521,7 @@ class RegionGrow(Method):
     decide: str = "proposals"
     score: str = "cls"
     heat: str = "expected"
-    max_regions: int | None = None
+    decide_tau: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -539,8 +539,10 @@ class RegionGrow(Method):
             raise ValueError(f"{self.name}: min_area is a fraction of the image in [0, 1)")
         if self.decide not in ("proposals", "regions"):
             raise ValueError(f"{self.name}: decide must be proposals/regions, got {self.decide!r}")
-        if self.max_regions is not None and int(self.max_regions) < 1:
-            raise ValueError(f"{self.name}: max_regions must be >= 1 or null, got {self.max_regions}")
+        if self.decide_tau is not None and not float(self.decide_tau) >= float(self.tau):
+            raise ValueError(
+                f"{self.name}: decide_tau must be >= tau ({self.tau}) or null, got {self.decide_tau}"
+            )
         if self.score not in _SCORES:
             raise ValueError(f"{self.name}: score must be one of {_SCORES}, got {self.score!r}")
         if self.heat not in _HEATS:
@@ -668,16 +670,24 @@ class RegionGrow(Method):
                                        int(self.seed_radius))
         dist = rg.propagate(chain, seeds, int(self.steps))  # (B, S, n)
         props = rg.merge_proposals(dist, float(self.tau), int(self.iterations))
-        if self.max_regions is not None:
-            props = rg.cap_proposals(props, int(self.max_regions))
         grid_prob = rg.soft_assign(props).view(b, -1, h, w)  # (B, K, h, w)
         kp = grid_prob.shape[1]
         cls = self.score_map(record)  # (B, h, w) foreground score on the grid
         size = tuple(record.image_size)
         cls_img = F.interpolate(cls.unsqueeze(1), size=size, mode="bilinear",
                                 align_corners=False)[:, 0]
-        if self.decide == "proposals":  # mean CLS over each proposal's tokens, on the grid
-            prop_score = rg.region_scores(grid_prob.max(1).indices, cls, kp)
+        if self.decide == "proposals":  # mean score over each proposal's tokens, on the grid
+            tok = grid_prob.max(1).indices  # (B, h, w)
+            tok_score = cls
+            if self.decide_tau is not None and float(self.decide_tau) > float(self.tau):
+                # decide on coarser proposals (merged further at decide_tau): a token scores
+                # the mean of its coarse proposal, a proposal the mean of its tokens' scores
+                coarse = rg.merge_proposals(props.dist, float(self.decide_tau),
+                                            int(self.iterations), valid=props.valid)
+                ctok = rg.soft_assign(coarse).max(1).indices  # (B, n)
+                cscore = rg.region_scores(ctok.view(b, h, w), cls, coarse.dist.shape[1])
+                tok_score = torch.gather(cscore, 1, ctok).view(b, h, w)
+            prop_score = rg.region_scores(tok, tok_score, kp)
             prop_fg = prop_score > cls.flatten(1).mean(1, keepdim=True)
 
         prob = F.interpolate(grid_prob, size=size, mode="bilinear", align_corners=False)

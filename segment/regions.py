@@ -38,7 +38,6 @@ from segment import markov
 
 __all__ = [
     "Proposals",
-    "cap_proposals",
     "connected_regions",
     "grid_seeds",
     "key_chain",
@@ -234,6 +233,7 @@ def merge_proposals(
     iterations: int = 3,
     *,
     dedupe: float = 0.1,
+    valid: Tensor | None = None,
 ) -> Proposals:
     """DiffSeg-style iterative merging of seed distributions.
 
@@ -248,6 +248,8 @@ def merge_proposals(
             a ViT grid are broader and want smaller values).
         iterations: merge rounds (protocol: 3).
         dedupe: duplicates are proposals closer than ``dedupe * tau``.
+        valid: ``(B, S)`` which rows are proposals (default: all), e.g. to merge
+            :class:`Proposals` further at a coarser ``tau``.
 
     Returns:
         :class:`Proposals`, compacted (valid slots first).
@@ -256,7 +258,9 @@ def merge_proposals(
         raise ValueError(f"tau must be > 0, got {tau}")
     d = dist.float()
     b, s, n = d.shape
-    valid = torch.ones(b, s, dtype=torch.bool, device=d.device)
+    if valid is None:
+        valid = torch.ones(b, s, dtype=torch.bool, device=d.device)
+    valid = valid.to(device=d.device, dtype=torch.bool)
     for it in range(max(1, int(iterations))):
         if it:  # later rounds only see the surviving proposals
             props = Proposals(dist=d, valid=valid).compact()
@@ -275,51 +279,6 @@ def merge_proposals(
         d = (onehot.transpose(1, 2) @ d) / counts.clamp_min(1).unsqueeze(-1)
         valid = counts > 0
         d = d * valid.unsqueeze(-1).to(d.dtype)
-    return Proposals(dist=d, valid=valid).compact()
-
-
-def cap_proposals(props: Proposals, max_regions: int) -> Proposals:
-    """Merge the closest proposals until at most ``max_regions`` remain per image.
-
-    Agglomerative: while an image holds more than ``max_regions`` proposals, its pair with
-    the smallest symmetric KL becomes one proposal, the mean of their distributions weighted
-    by how many merged proposals each already stands for. Images at or under the cap are
-    unchanged. One-to-one scoring of scenes (Hungarian matching) penalises every segment
-    beyond the number of things in the image, which a KL threshold alone does not bound.
-
-    Args:
-        props: merged proposals ``(B, K, n)``.
-        max_regions: the cap (``>= 1``).
-
-    Returns:
-        :class:`Proposals`, compacted, at most ``max_regions`` valid per image.
-    """
-    if int(max_regions) < 1:
-        raise ValueError(f"max_regions must be >= 1, got {max_regions}")
-    d, valid = props.dist.float().clone(), props.valid.clone()
-    b, k, _ = d.shape
-    if k <= max_regions:
-        return props
-    weight = valid.to(d.dtype)
-    rows = torch.arange(b, device=d.device)
-    eye = torch.eye(k, dtype=torch.bool, device=d.device)
-    while True:
-        over = valid.sum(1) > int(max_regions)  # (B,)
-        if not bool(over.any()):
-            break
-        kl = symmetric_kl(d, d)
-        bad = ~(valid.unsqueeze(1) & valid.unsqueeze(2)) | eye
-        kl = kl.masked_fill(bad, float("inf"))
-        best = kl.flatten(1).argmin(1)  # (B,)
-        i, j = best // k, best % k
-        wi, wj = weight[rows, i], weight[rows, j]
-        merged = (wi[:, None] * d[rows, i] + wj[:, None] * d[rows, j]) / (wi + wj)[:, None]
-        sel = over.nonzero().flatten()
-        d[sel, i[sel]] = merged[sel]
-        weight[sel, i[sel]] = (wi + wj)[sel]
-        d[sel, j[sel]] = 0
-        weight[sel, j[sel]] = 0
-        valid[sel, j[sel]] = False
     return Proposals(dist=d, valid=valid).compact()
 
 

@@ -397,31 +397,10 @@ def test_blend_heat_ranks_the_mask_first_then_the_scores():
         RegionGrow(heat="nope")
 
 
-def test_cap_proposals_merges_the_closest_pair_weighted():
-    """Hand case: four proposals, cap 3: (a, a') merge first (KL ~0) into their mean; an
-    image under the cap and its invalid slot are untouched; with cap 2 the second image,
-    whose proposals are equally far apart, joins its first pair 1:1."""
-    a = torch.tensor([0.7, 0.1, 0.1, 0.1])
-    a2 = torch.tensor([0.68, 0.12, 0.1, 0.1])
-    b = torch.tensor([0.1, 0.7, 0.1, 0.1])
-    c = torch.tensor([0.1, 0.1, 0.1, 0.7])
-    dist = torch.stack([torch.stack([a, a2, b, c]), torch.stack([a, b, c, torch.zeros(4)])])
-    valid = torch.tensor([[True] * 4, [True, True, True, False]])
-    out = rg.cap_proposals(rg.Proposals(dist=dist, valid=valid), 3)
-    assert out.count.tolist() == [3, 3]
-    assert torch.allclose(out.dist[0, 0], (a + a2) / 2)
-    assert torch.allclose(out.dist[1, :3], dist[1, :3])
-    out2 = rg.cap_proposals(rg.Proposals(dist=dist, valid=valid), 2)
-    assert out2.count.tolist() == [2, 2]
-    # image 1: a, b, c are equally far apart; the first pair (a, b) merges 1:1
-    assert torch.allclose(out2.dist[1, 0], (a + b) / 2) and torch.allclose(out2.dist[1, 1], c)
-    with pytest.raises(ValueError, match="max_regions"):
-        rg.cap_proposals(out, 0)
-
-
-def test_region_grow_max_regions_joins_the_closest_planted_blocks():
-    """Three planted blocks, the two right ones leaking mass to each other: with
-    max_regions=2 those two become one region and the left block stays alone."""
+def leaking_record() -> AttentionRecord:
+    """Three planted blocks; the two right ones (one object in two parts) leak a fifth of
+    their mass to each other. CLS attends strongly to block 1 and weakly to block 2, whose
+    own mean falls under the image mean: only the object as a whole clears it."""
     lab = planted_labels(8, 8)
     flat = lab.flatten()
     same = (flat[:, None] == flat[None, :]).double()
@@ -430,12 +409,28 @@ def test_region_grow_max_regions_joins_the_closest_planted_blocks():
     p = p + 0.05 / 64
     p = p / p.sum(1, keepdim=True)
     rec = planted_record()
-    rec.attn[0][0, :, 1:, 1:] = 0.9 * p.float()
+    a = rec.attn[0]
+    a[0, :, 1:, 1:] = 0.9 * p.float()
+    cls = torch.tensor([0.05, 1.0, 0.2])[flat]
+    a[0, :, 0, 1:] = 0.8 * cls / cls.sum()
+    return rec
+
+
+def test_decide_tau_decides_on_coarser_proposals_keeps_fine_regions():
+    """tau keeps the three planted blocks as regions; decide_tau merges the two parts of the
+    object for the foreground decision only, so the weakly attended part joins the mask."""
+    rec = leaking_record()
     kw = dict(chain="attention", tau=0.05, refine_steps=0, layers=[0], score_layers=[0])
-    up = lab.repeat_interleave(4, 0).repeat_interleave(4, 1)
-    three = RegionGrow(**kw)(rec)
-    assert same_partition(three.labels[0], up)
-    two = RegionGrow(max_regions=2, **kw)(rec)
-    assert same_partition(two.labels[0], (up > 0).long())
-    with pytest.raises(ValueError, match="max_regions"):
-        RegionGrow(max_regions=0)
+    up = planted_labels(8, 8).repeat_interleave(4, 0).repeat_interleave(4, 1)
+    fine = RegionGrow(**kw)(rec)
+    both = RegionGrow(decide_tau=1.0, **kw)(rec)
+    for out in (fine, both):
+        assert same_partition(out.labels[0], up)  # the regions are the three blocks
+    _, m_fine = to_masks(fine, (32, 32))
+    _, m_both = to_masks(both, (32, 32))
+    assert torch.equal(m_fine[0], up == 1)  # block 2 alone is under the image mean
+    assert torch.equal(m_both[0], up > 0)  # the object as a whole is over it
+    coarse = RegionGrow(**{**kw, "tau": 1.0})(rec)
+    assert same_partition(coarse.labels[0], (up > 0).long())  # decide_tau's own partition
+    with pytest.raises(ValueError, match="decide_tau must be >= tau"):
+        RegionGrow(tau=0.2, decide_tau=0.1)
