@@ -521,7 +521,7 @@ class RegionGrow(Method):
     decide: str = "proposals"
     score: str = "cls"
     heat: str = "expected"
-    decide_tau: float | None = None
+    label_tau: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -539,9 +539,10 @@ class RegionGrow(Method):
             raise ValueError(f"{self.name}: min_area is a fraction of the image in [0, 1)")
         if self.decide not in ("proposals", "regions"):
             raise ValueError(f"{self.name}: decide must be proposals/regions, got {self.decide!r}")
-        if self.decide_tau is not None and not float(self.decide_tau) >= float(self.tau):
+        if self.label_tau is not None and not 0 < float(self.label_tau) <= float(self.tau):
             raise ValueError(
-                f"{self.name}: decide_tau must be >= tau ({self.tau}) or null, got {self.decide_tau}"
+                f"{self.name}: label_tau must lie in (0, tau = {self.tau}] or be null, got"
+                f" {self.label_tau}"
             )
         if self.score not in _SCORES:
             raise ValueError(f"{self.name}: score must be one of {_SCORES}, got {self.score!r}")
@@ -677,17 +678,7 @@ class RegionGrow(Method):
         cls_img = F.interpolate(cls.unsqueeze(1), size=size, mode="bilinear",
                                 align_corners=False)[:, 0]
         if self.decide == "proposals":  # mean score over each proposal's tokens, on the grid
-            tok = grid_prob.max(1).indices  # (B, h, w)
-            tok_score = cls
-            if self.decide_tau is not None and float(self.decide_tau) > float(self.tau):
-                # decide on coarser proposals (merged further at decide_tau): a token scores
-                # the mean of its coarse proposal, a proposal the mean of its tokens' scores
-                coarse = rg.merge_proposals(props.dist, float(self.decide_tau),
-                                            int(self.iterations), valid=props.valid)
-                ctok = rg.soft_assign(coarse).max(1).indices  # (B, n)
-                cscore = rg.region_scores(ctok.view(b, h, w), cls, coarse.dist.shape[1])
-                tok_score = torch.gather(cscore, 1, ctok).view(b, h, w)
-            prop_score = rg.region_scores(tok, tok_score, kp)
+            prop_score = rg.region_scores(grid_prob.max(1).indices, cls, kp)
             prop_fg = prop_score > cls.flatten(1).mean(1, keepdim=True)
 
         prob = F.interpolate(grid_prob, size=size, mode="bilinear", align_corners=False)
@@ -738,7 +729,43 @@ class RegionGrow(Method):
             two = torch.zeros_like(foreground)
             two[:, 1] = True
             foreground = torch.where(flat.view(b, 1), two, foreground)
+        if self.label_tau is not None and float(self.label_tau) < float(self.tau):
+            labels, foreground = self._finer_regions(dist, labels, foreground, (h, w))
         return MethodOutput(heatmap=heat, labels=labels, foreground=foreground)
+
+    def _finer_regions(self, dist: Tensor, labels: Tensor, foreground: Tensor,
+                       grid: tuple[int, int]) -> tuple[Tensor, Tensor]:
+        """The regions of ``label_tau`` (finer than ``tau``), split along the mask.
+
+        The seeds' distributions merged at ``label_tau`` give finer proposals; every pixel
+        takes its most likely one (bilinear on the image, no pixel refinement), and each
+        of those regions is cut along the mask decided at ``tau``, so the mask stays the
+        one of ``tau`` (up to the specks under ``min_area`` absorbed by their neighbours).
+        A region is foreground when most of its pixels are in the mask.
+
+        Returns:
+            ``(B, H, W)`` labels and ``(B, K')`` foreground.
+        """
+        from segment import regions as rg
+
+        b, size = labels.shape[0], tuple(labels.shape[-2:])
+        fine = rg.merge_proposals(dist, float(self.label_tau), int(self.iterations))
+        prob = F.interpolate(rg.soft_assign(fine).view(b, -1, *grid), size=size, mode="bilinear",
+                             align_corners=False)
+        mask = torch.gather(foreground, 1, labels.flatten(1)).view_as(labels)
+        split = prob.max(1).indices.to(labels.device) * 2 + mask.long()
+        if self.connectivity:
+            area = int(round(float(self.min_area) * size[0] * size[1]))
+            new = rg.connected_regions(split, min_area=area)
+        else:
+            new = rg.relabel(split)
+        k = int(new.max()) + 1
+        idx = new.flatten(1)
+        count = torch.zeros(b, k, device=new.device).scatter_add_(
+            1, idx, torch.ones_like(idx, dtype=torch.float32))
+        inside = torch.zeros(b, k, device=new.device).scatter_add_(
+            1, idx, mask.flatten(1).float())
+        return new, (2 * inside > count) & (count > 0)
 
 
 # --------------------------------------------------------------------------------------

@@ -233,7 +233,6 @@ def merge_proposals(
     iterations: int = 3,
     *,
     dedupe: float = 0.1,
-    valid: Tensor | None = None,
 ) -> Proposals:
     """DiffSeg-style iterative merging of seed distributions.
 
@@ -248,8 +247,6 @@ def merge_proposals(
             a ViT grid are broader and want smaller values).
         iterations: merge rounds (protocol: 3).
         dedupe: duplicates are proposals closer than ``dedupe * tau``.
-        valid: ``(B, S)`` which rows are proposals (default: all), e.g. to merge
-            :class:`Proposals` further at a coarser ``tau``.
 
     Returns:
         :class:`Proposals`, compacted (valid slots first).
@@ -258,9 +255,7 @@ def merge_proposals(
         raise ValueError(f"tau must be > 0, got {tau}")
     d = dist.float()
     b, s, n = d.shape
-    if valid is None:
-        valid = torch.ones(b, s, dtype=torch.bool, device=d.device)
-    valid = valid.to(device=d.device, dtype=torch.bool)
+    valid = torch.ones(b, s, dtype=torch.bool, device=d.device)
     for it in range(max(1, int(iterations))):
         if it:  # later rounds only see the surviving proposals
             props = Proposals(dist=d, valid=valid).compact()

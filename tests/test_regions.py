@@ -416,21 +416,24 @@ def leaking_record() -> AttentionRecord:
     return rec
 
 
-def test_decide_tau_decides_on_coarser_proposals_keeps_fine_regions():
-    """tau keeps the three planted blocks as regions; decide_tau merges the two parts of the
-    object for the foreground decision only, so the weakly attended part joins the mask."""
+def test_label_tau_gives_finer_regions_split_along_the_mask_of_tau():
+    """tau merges the two parts of the object (the mask is the whole object, as its mean
+    attention clears the image mean); label_tau keeps the three planted blocks as the
+    regions, and the mask stays the one of tau. tau alone at the finer value would lose
+    the weakly attended part."""
     rec = leaking_record()
-    kw = dict(chain="attention", tau=0.05, refine_steps=0, layers=[0], score_layers=[0])
+    kw = dict(chain="attention", refine_steps=0, layers=[0], score_layers=[0])
     up = planted_labels(8, 8).repeat_interleave(4, 0).repeat_interleave(4, 1)
-    fine = RegionGrow(**kw)(rec)
-    both = RegionGrow(decide_tau=1.0, **kw)(rec)
-    for out in (fine, both):
-        assert same_partition(out.labels[0], up)  # the regions are the three blocks
-    _, m_fine = to_masks(fine, (32, 32))
-    _, m_both = to_masks(both, (32, 32))
-    assert torch.equal(m_fine[0], up == 1)  # block 2 alone is under the image mean
-    assert torch.equal(m_both[0], up > 0)  # the object as a whole is over it
-    coarse = RegionGrow(**{**kw, "tau": 1.0})(rec)
-    assert same_partition(coarse.labels[0], (up > 0).long())  # decide_tau's own partition
-    with pytest.raises(ValueError, match="decide_tau must be >= tau"):
-        RegionGrow(tau=0.2, decide_tau=0.1)
+    coarse = RegionGrow(tau=1.0, **kw)(rec)
+    fine = RegionGrow(tau=0.05, **kw)(rec)
+    both = RegionGrow(tau=1.0, label_tau=0.05, **kw)(rec)
+    assert same_partition(coarse.labels[0], (up > 0).long())
+    assert same_partition(fine.labels[0], up) and same_partition(both.labels[0], up)
+    masks = {name: to_masks(o, (32, 32))[1][0] for name, o in
+             (("coarse", coarse), ("fine", fine), ("both", both))}
+    assert torch.equal(masks["coarse"], up > 0) and torch.equal(masks["both"], up > 0)
+    assert torch.equal(masks["fine"], up == 1)  # block 2 alone is under the image mean
+    assert torch.equal(both.heatmap, coarse.heatmap)
+    assert both.foreground[0].tolist().count(True) == 2
+    with pytest.raises(ValueError, match="label_tau must lie in"):
+        RegionGrow(tau=0.2, label_tau=0.3)
