@@ -738,10 +738,11 @@ class RegionGrow(Method):
         """The regions of ``label_tau`` (finer than ``tau``), split along the mask.
 
         The seeds' distributions merged at ``label_tau`` give finer proposals; every pixel
-        takes its most likely one (bilinear on the image, no pixel refinement), and each
-        of those regions is cut along the mask decided at ``tau``, so the mask stays the
-        one of ``tau`` (up to the specks under ``min_area`` absorbed by their neighbours).
-        A region is foreground when most of its pixels are in the mask.
+        takes its most likely one (bilinear on the image, no pixel refinement); with
+        ``connectivity`` they are split into components and specks under ``min_area``
+        absorbed; then each region is cut along the mask decided at ``tau``, so the mask
+        is exactly the one of ``tau``. A region is foreground when its pixels are in the
+        mask.
 
         Returns:
             ``(B, H, W)`` labels and ``(B, K')`` foreground.
@@ -753,12 +754,11 @@ class RegionGrow(Method):
         prob = F.interpolate(rg.soft_assign(fine).view(b, -1, *grid), size=size, mode="bilinear",
                              align_corners=False)
         mask = torch.gather(foreground, 1, labels.flatten(1)).view_as(labels)
-        split = prob.max(1).indices.to(labels.device) * 2 + mask.long()
-        if self.connectivity:
+        hard = prob.max(1).indices.to(labels.device)
+        if self.connectivity:  # components and specks before the cut: the mask stays exact
             area = int(round(float(self.min_area) * size[0] * size[1]))
-            new = rg.connected_regions(split, min_area=area)
-        else:
-            new = rg.relabel(split)
+            hard = rg.connected_regions(hard, min_area=area)
+        new = rg.relabel(hard * 2 + mask.long())
         k = int(new.max()) + 1
         idx = new.flatten(1)
         count = torch.zeros(b, k, device=new.device).scatter_add_(
