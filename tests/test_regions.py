@@ -451,7 +451,7 @@ def test_default_recipe_on_planted_chains():
     with initialize_config_module(version_base="1.3", config_module="segment.configs"):
         cfg = compose("segment")
     method = instantiate(cfg.method)
-    assert (method.tau, method.label_tau, method.score, method.heat) == (0.2, 0.05, "keychain", "blend")
+    assert (method.tau, method.label_tau, method.score, method.heat) == (0.2, 0.03, "keychain", "blend")
     rec = planted_record_with_keys()
     out = method(rec)
     up = planted_labels(8, 8).repeat_interleave(4, 0).repeat_interleave(4, 1)
