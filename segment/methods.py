@@ -490,9 +490,16 @@ class RegionGrow(Method):
        ``refine_steps`` bounces of the edge-aware pixel chain (needs ``record.pixels``),
        argmax; regions split into connected components, components under
        ``min_area`` (fraction of the image) absorbed;
-    5. foreground (binary tasks): a region whose mean CLS attention (``score_layers``,
-       mean of heads, bilinear on the image) exceeds the map's mean over the image. The
-       heatmap (for AP) is every pixel's expected region score ``sum_k p_k score_k``.
+    5. foreground (binary tasks): a region whose mean score exceeds the score map's mean
+       over the image; the score is the CLS attention of ``score_layers`` (mean of heads,
+       ``score: cls``) or that map after one step of the layers' key chain (``score:
+       keychain``, :meth:`score_map`). The heatmap (for AP) is every pixel's expected
+       region score ``sum_k p_k score_k`` (``heat: expected``) or the mean of that map
+       (min-maxed), the score map (min-maxed) and the mask (``heat: blend``): the mask
+       ranks the foreground first, the maps rank the pixels inside each side;
+    6. regions for scenes: with ``label_tau < tau`` the labels are the seeds merged at the
+       finer ``label_tau``, cut along the mask of step 5 (:meth:`_finer_regions`), so the
+       mask and heatmap stay those of ``tau`` while the regions are finer.
 
     Returns ``MethodOutput(heatmap, labels, foreground)`` at the backbone input resolution.
     """
