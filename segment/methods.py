@@ -194,6 +194,13 @@ def _renorm(v: Tensor) -> Tensor:
     return torch.where(s > 0, v / s.clamp_min(torch.finfo(v.dtype).tiny), uniform)
 
 
+def _minmax(x: Tensor) -> Tensor:
+    """Per-image min-max of ``(B, H, W)`` to ``[0, 1]`` (a constant map becomes 0)."""
+    flat = x.flatten(1)
+    lo, hi = flat.amin(1, keepdim=True), flat.amax(1, keepdim=True)
+    return ((flat - lo) / (hi - lo).clamp_min(1e-12)).view_as(x)
+
+
 def _as_compute(x: Tensor) -> Tensor:
     return x.to(markov.compute_dtype(x.dtype))
 
@@ -583,6 +590,8 @@ _CHAINS = ("attention", "keys", "mix")
 _SEEDS = ("auto", "all", "grid", "tokenrank")
 _KEY_FUSE = ("similarity", "chain", "concat")
 _DECIDE = ("proposals", "regions")
+_SCORES = ("cls", "keychain")
+_HEATS = ("expected", "blend")
 
 
 @dataclass
@@ -605,9 +614,16 @@ class RegionGrow(Method):
        ``refine_steps`` bounces of the edge-aware pixel chain (needs ``record.pixels``),
        argmax; regions split into connected components, components under
        ``min_area`` (fraction of the image) absorbed;
-    5. foreground (binary tasks): a region whose mean CLS attention (``score_layers``,
-       mean of heads, bilinear on the image) exceeds the map's mean over the image. The
-       heatmap (for AP) is every pixel's expected region score ``sum_k p_k score_k``.
+    5. foreground (binary tasks): a region whose mean score exceeds the score map's mean
+       over the image; the score is the CLS attention of ``score_layers`` (mean of heads,
+       ``score: cls``) or that map after one step of the layers' key chain (``score:
+       keychain``, :meth:`score_map`). The heatmap (for AP) is every pixel's expected
+       region score ``sum_k p_k score_k`` (``heat: expected``) or the mean of that map
+       (min-maxed), the score map (min-maxed) and the mask (``heat: blend``): the mask
+       ranks the foreground first, the maps rank the pixels inside each side;
+    6. regions for scenes: with ``label_tau < tau`` the labels are the seeds merged at the
+       finer ``label_tau``, cut along the mask of step 5 (:meth:`_finer_regions`), so the
+       mask and heatmap stay those of ``tau`` while the regions are finer.
 
     Returns ``MethodOutput(heatmap, labels, foreground)`` at the backbone input resolution.
     """
@@ -634,6 +650,9 @@ class RegionGrow(Method):
     min_area: float = 0.002
     connectivity: bool = True
     decide: str = "proposals"
+    score: str = "cls"
+    heat: str = "expected"
+    label_tau: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -666,6 +685,15 @@ class RegionGrow(Method):
                 f"{self.name}: heads={self.heads} has no effect with chain=keys and"
                 " key_fuse=concat (one chain from the concatenated keys of all heads)"
             )
+        if self.label_tau is not None and not 0 < float(self.label_tau) <= float(self.tau):
+            raise ValueError(
+                f"{self.name}: label_tau must lie in (0, tau = {self.tau}] or be null, got"
+                f" {self.label_tau}"
+            )
+        if self.score not in _SCORES:
+            raise ValueError(f"{self.name}: score must be one of {_SCORES}, got {self.score!r}")
+        if self.heat not in _HEATS:
+            raise ValueError(f"{self.name}: heat must be one of {_HEATS}, got {self.heat!r}")
         self._score = ClsAttention(name=f"{self.name}.score", layers=self.score_layers,
                                    heads="mean")
 
@@ -679,7 +707,38 @@ class RegionGrow(Method):
             heads="keep" if self._needs_keys or self.heads == "lambda2" else "mean",
             keys=self._needs_keys,
         )
-        return mine.union(self._score.capture(num_layers), num_layers)
+        score = self._score.capture(num_layers)
+        if self.score == "keychain":  # the smoothing chain needs the score layers' keys
+            score = Capture(layers=score.layers, heads="keep", keys=True)
+        return mine.union(score, num_layers)
+
+    def score_map(self, record: AttentionRecord) -> Tensor:
+        """``(B, h, w)`` the foreground score on the grid.
+
+        ``score: cls``: the CLS attention of ``score_layers`` (mean of heads).
+        ``score: keychain``: that map after one step of the key chain of the same layers,
+        ``s_i <- sum_j P_ij s_j`` with ``P = softmax(cos(k_i, k_j) / key_temperature)`` on
+        the concatenated keys of all heads (``cls_keychain`` of ecssd-dev/REFERENCE.md):
+        every token takes the mean score of the tokens whose keys resemble its own, so a
+        whole object lights up, not only its most attended parts. Layers are averaged.
+        """
+        cls = self._score(record).heatmap.float()
+        if self.score == "cls":
+            return cls
+        from segment.regions import key_chain
+
+        b, h, w = cls.shape
+        out = []
+        for i in self._score._resolve(record):
+            if i not in record.keys:
+                raise ValueError(
+                    f"{self.name}: score=keychain needs the keys of layer {i}; capture with"
+                    " method.capture(num_layers) (Capture.keys)"
+                )
+            k = _as_compute(record.keys[i][:, :, record.layout.patches])  # (B, H, n, D)
+            chain = key_chain(k.transpose(1, 2).flatten(2), float(self.key_temperature))
+            out.append(torch.einsum("bij,bj->bi", chain.to(cls), cls.flatten(1)))
+        return torch.stack(out).mean(0).view(b, h, w)
 
     # the chain over grid tokens ----------------------------------------------------------
 
@@ -760,11 +819,11 @@ class RegionGrow(Method):
         props = rg.merge_proposals(dist, float(self.tau), int(self.iterations))
         grid_prob = rg.soft_assign(props).view(b, -1, h, w)  # (B, K, h, w)
         kp = grid_prob.shape[1]
-        cls = self._score(record).heatmap.float()  # (B, h, w) CLS attention on the grid
+        cls = self.score_map(record)  # (B, h, w) foreground score on the grid
         size = tuple(record.image_size)
         cls_img = F.interpolate(cls.unsqueeze(1), size=size, mode="bilinear",
                                 align_corners=False)[:, 0]
-        if self.decide == "proposals":  # mean CLS over each proposal's tokens, on the grid
+        if self.decide == "proposals":  # mean score over each proposal's tokens, on the grid
             prop_score = rg.region_scores(grid_prob.max(1).indices, cls, kp)
             prop_fg = prop_score > cls.flatten(1).mean(1, keepdim=True)
 
@@ -799,10 +858,12 @@ class RegionGrow(Method):
         foreground &= present
         # heatmap (AP): every pixel's expected proposal score under the soft assignment
         heat = torch.einsum("bkhw,bk->bhw", prob, prop_score.to(prob))
+        fg_px = torch.gather(foreground, 1, labels.flatten(1))
+        if self.heat == "blend":  # rank by the mask, then by the scores inside it
+            heat = (_minmax(heat) + _minmax(cls_img.to(heat)) + fg_px.view_as(heat).to(heat)) / 3
         # an image whose regions all fell on one side (one region, or a uniform decision)
         # has no foreground/background split: fall back to the protocol's pixel rule on the
         # CLS attention (heatmap and mask), the method's floor
-        fg_px = torch.gather(foreground, 1, labels.flatten(1))
         flat = fg_px.all(1) | ~fg_px.any(1)
         if bool(flat.any()):
             r = cls_img.flatten(1)
@@ -814,7 +875,43 @@ class RegionGrow(Method):
             two = torch.zeros_like(foreground)
             two[:, 1] = True
             foreground = torch.where(flat.view(b, 1), two, foreground)
+        if self.label_tau is not None and float(self.label_tau) < float(self.tau):
+            labels, foreground = self._finer_regions(dist, labels, foreground, (h, w))
         return MethodOutput(heatmap=heat, labels=labels, foreground=foreground)
+
+    def _finer_regions(self, dist: Tensor, labels: Tensor, foreground: Tensor,
+                       grid: tuple[int, int]) -> tuple[Tensor, Tensor]:
+        """The regions of ``label_tau`` (finer than ``tau``), split along the mask.
+
+        The seeds' distributions merged at ``label_tau`` give finer proposals; every pixel
+        takes its most likely one (bilinear on the image, no pixel refinement); with
+        ``connectivity`` they are split into components and specks under ``min_area``
+        absorbed; then each region is cut along the mask decided at ``tau``, so the mask
+        is exactly the one of ``tau``. A region is foreground when its pixels are in the
+        mask.
+
+        Returns:
+            ``(B, H, W)`` labels and ``(B, K')`` foreground.
+        """
+        from segment import regions as rg
+
+        b, size = labels.shape[0], tuple(labels.shape[-2:])
+        fine = rg.merge_proposals(dist, float(self.label_tau), int(self.iterations))
+        prob = F.interpolate(rg.soft_assign(fine).view(b, -1, *grid), size=size, mode="bilinear",
+                             align_corners=False)
+        mask = torch.gather(foreground, 1, labels.flatten(1)).view_as(labels)
+        hard = prob.max(1).indices.to(labels.device)
+        if self.connectivity:  # components and specks before the cut: the mask stays exact
+            area = int(round(float(self.min_area) * size[0] * size[1]))
+            hard = rg.connected_regions(hard, min_area=area)
+        new = rg.relabel(hard * 2 + mask.long())
+        k = int(new.max()) + 1
+        idx = new.flatten(1)
+        count = torch.zeros(b, k, device=new.device).scatter_add_(
+            1, idx, torch.ones_like(idx, dtype=torch.float32))
+        inside = torch.zeros(b, k, device=new.device).scatter_add_(
+            1, idx, mask.flatten(1).float())
+        return new, (2 * inside > count) & (count > 0)
 
 
 # --------------------------------------------------------------------------------------

@@ -485,3 +485,138 @@ def test_multiclass_experiment_grid_vs_tokenrank_seeds(tmp_path):
         assert r["pixAcc"] == pytest.approx(100.0) and r["mIoU"] == pytest.approx(100.0)
         seen = {c: x for c, x in r["iou"].items() if x is not None}
         assert seen == {names[0]: pytest.approx(100.0), names[16]: pytest.approx(100.0)}  # road, sky only
+
+
+# ---------------------------------------------------------------- the recipe's score and heat
+
+
+def planted_record_with_keys(eps: float = 0.05) -> AttentionRecord:
+    """:func:`planted_record` plus keys: two heads whose keys are one direction per planted
+    block (jittered), so the key chain is block-structured too. CLS attends to the right
+    column of block 1 only."""
+    rec = planted_record(eps)
+    lab = planted_labels(8, 8).flatten()
+    g = torch.Generator().manual_seed(3)
+    base = torch.linalg.qr(torch.randn(8, 8, generator=g))[0][:3]  # 3 orthonormal directions
+    keys = torch.zeros(1, 2, 65, 8)
+    for hd in range(2):
+        keys[0, hd, 1:] = base[lab] + 0.05 * torch.randn(64, 8, generator=g)
+        keys[0, hd, 0] = torch.randn(8, generator=g)
+    a = rec.attn[0]
+    cls = torch.full((8, 8), 0.05)
+    cls[:4, 7] = 1.0  # only the image's right column inside block 1
+    a[0, :, 0, 1:] = 0.8 * cls.flatten() / cls.sum()
+    rec.keys = {0: keys}
+    return rec
+
+
+def test_keychain_score_is_one_pull_step_of_the_key_chain():
+    """score=keychain: s <- P s with P = softmax(cos(k_i, k_j) / T) on the concatenated keys,
+    checked in float64 by hand; the whole planted block 1 lights up, not only its column."""
+    rec = planted_record_with_keys()
+    m = RegionGrow(chain="keys", score="keychain", key_temperature=0.05, layers=[0],
+                   score_layers=[0], refine_steps=0)
+    got = m.score_map(rec)[0].double()
+    k = rec.keys[0][0, :, 1:].double().transpose(0, 1).reshape(64, -1)  # heads concatenated
+    k = k / k.norm(dim=-1, keepdim=True)
+    p = torch.softmax(k @ k.T / 0.05, dim=-1)
+    cls = ClsAttention(layers=[0])(rec).heatmap[0].double().flatten()
+    assert torch.allclose(got.flatten(), p @ cls, atol=1e-6)
+    lab = planted_labels(8, 8)
+    inside = got[lab == 1]
+    assert inside.min() > 0.8 * inside.max()  # spread over the block
+    assert inside.min() > 5 * got[lab != 1].max()
+    raw = ClsAttention(layers=[0])(rec).heatmap[0]
+    assert raw[lab == 1].min() < 0.1 * raw[lab == 1].max()  # the raw CLS map did not
+    with pytest.raises(ValueError, match="needs the keys"):
+        RegionGrow(chain="attention", score="keychain", layers=[0], score_layers=[0])(planted_record())
+    with pytest.raises(ValueError, match="score must be one of"):
+        RegionGrow(score="nope")
+    assert RegionGrow(score="keychain", chain="attention").capture(12).keys
+
+
+def test_blend_heat_ranks_the_mask_first_then_the_scores():
+    """heat=blend: (minmax(expected score) + minmax(score map) + mask) / 3, so every
+    foreground pixel ranks above every background pixel (AP 1 on a planted record whose
+    mask is right) while the heatmap still varies inside the regions."""
+    from segment.eval.metrics import pooled_average_precision
+
+    rec = planted_record_with_keys()
+    kw = dict(chain="keys", score="keychain", tau=0.5, refine_steps=0, layers=[0], score_layers=[0])
+    out = RegionGrow(heat="blend", **kw)(rec)
+    exp = RegionGrow(heat="expected", **kw)(rec)
+    up = planted_labels(8, 8).repeat_interleave(4, 0).repeat_interleave(4, 1)
+    r, mask = to_masks(out, (32, 32))
+    assert torch.equal(mask[0], up == 1) and torch.equal(out.labels, exp.labels)
+    assert r[0][up == 1].min() > r[0][up != 1].max()
+    assert pooled_average_precision(r[0], up == 1) == pytest.approx(1.0)
+    assert len(torch.unique(r[0][up == 1])) > 4  # ranked by the scores inside the mask
+    h = out.heatmap[0]
+    assert float(h.min()) >= 0.0 and float(h.max()) <= 1.0 + 1e-6
+    assert not torch.allclose(out.heatmap, exp.heatmap)
+    with pytest.raises(ValueError, match="heat must be one of"):
+        RegionGrow(heat="nope")
+
+
+def leaking_record() -> AttentionRecord:
+    """Three planted blocks; the two right ones (one object in two parts) leak a fifth of
+    their mass to each other. CLS attends strongly to block 1 and weakly to block 2, whose
+    own mean falls under the image mean: only the object as a whole clears it."""
+    lab = planted_labels(8, 8)
+    flat = lab.flatten()
+    same = (flat[:, None] == flat[None, :]).double()
+    right = (flat[:, None] > 0) & (flat[None, :] > 0)
+    p = 0.75 * same / same.sum(1, keepdim=True) + 0.2 * right / right.sum(1, keepdim=True).clamp_min(1)
+    p = p + 0.05 / 64
+    p = p / p.sum(1, keepdim=True)
+    rec = planted_record()
+    a = rec.attn[0]
+    a[0, :, 1:, 1:] = 0.9 * p.float()
+    cls = torch.tensor([0.05, 1.0, 0.2])[flat]
+    a[0, :, 0, 1:] = 0.8 * cls / cls.sum()
+    return rec
+
+
+def test_label_tau_gives_finer_regions_split_along_the_mask_of_tau():
+    """tau merges the two parts of the object (the mask is the whole object, as its mean
+    attention clears the image mean); label_tau keeps the three planted blocks as the
+    regions, and the mask stays the one of tau. tau alone at the finer value would lose
+    the weakly attended part."""
+    rec = leaking_record()
+    kw = dict(chain="attention", refine_steps=0, layers=[0], score_layers=[0])
+    up = planted_labels(8, 8).repeat_interleave(4, 0).repeat_interleave(4, 1)
+    coarse = RegionGrow(tau=1.0, **kw)(rec)
+    fine = RegionGrow(tau=0.05, **kw)(rec)
+    both = RegionGrow(tau=1.0, label_tau=0.05, **kw)(rec)
+    assert same_partition(coarse.labels[0], (up > 0).long())
+    assert same_partition(fine.labels[0], up) and same_partition(both.labels[0], up)
+    masks = {name: to_masks(o, (32, 32))[1][0] for name, o in
+             (("coarse", coarse), ("fine", fine), ("both", both))}
+    assert torch.equal(masks["coarse"], up > 0) and torch.equal(masks["both"], up > 0)
+    assert torch.equal(masks["fine"], up == 1)  # block 2 alone is under the image mean
+    assert torch.equal(both.heatmap, coarse.heatmap)
+    assert both.foreground[0].tolist().count(True) == 2
+    with pytest.raises(ValueError, match="label_tau must lie in"):
+        RegionGrow(tau=0.2, label_tau=0.3)
+
+
+def test_default_recipe_on_planted_chains():
+    """configs/method/regions.yaml as shipped, on planted blocks (attention and keys agree):
+    the three blocks are the regions, the attended block is the mask, and the blend heatmap
+    ranks it first (AP 1)."""
+    from hydra import compose, initialize_config_module
+    from hydra.utils import instantiate
+
+    from segment.eval.metrics import pooled_average_precision
+
+    with initialize_config_module(version_base="1.3", config_module="segment.configs"):
+        cfg = compose("segment")
+    method = instantiate(cfg.method)
+    assert (method.tau, method.label_tau, method.score, method.heat) == (0.2, 0.03, "keychain", "blend")
+    rec = planted_record_with_keys()
+    out = method(rec)
+    up = planted_labels(8, 8).repeat_interleave(4, 0).repeat_interleave(4, 1)
+    assert same_partition(out.labels[0], up)
+    r, mask = to_masks(out, (32, 32))
+    assert torch.equal(mask[0], up == 1)
+    assert pooled_average_precision(r[0], up == 1) == pytest.approx(1.0)
