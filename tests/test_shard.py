@@ -3,6 +3,7 @@ run resumed with another number of ranks completes it from the per-image records
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import socket
@@ -90,13 +91,14 @@ def _coco(out: Path) -> dict:
 
 def _same_coco(a: Path, b: Path) -> None:
     """Equal COCO files: ids, images, RLE masks, boxes, areas exactly; the float ``score``
-    (mean heatmap over a region) to float32 rounding, since a batch of another size may
-    round the forward differently in the last bit."""
+    (mean heatmap over a region) to 1e-3 relative, since a batch of another size may round
+    the forward differently in the last bit, which the min-max normalisations of the blended
+    heatmap (``heat: blend``) amplify (measured: 1.5e-4 at most)."""
     x, y = _coco(a), _coco(b)
     sx = [ann.pop("score") for ann in x["annotations"]]
     sy = [ann.pop("score") for ann in y["annotations"]]
     assert x == y
-    assert sx == pytest.approx(sy, rel=1e-5, abs=1e-6)
+    assert sx == pytest.approx(sy, rel=1e-3, abs=1e-5)
 
 
 @pytest.mark.slow
@@ -110,12 +112,19 @@ def test_torchrun_two_ranks_equal_one_and_resume_with_other_rank_counts(setup):
     logs = r2.stdout + r2.stderr
     assert "rank 0/2: 4 of 8 images" in logs and "rank 1/2: 4 of 8 images" in logs
 
-    # per-image files: byte for byte (masks, heatmaps, region labels) and the same set
+    # per-image files: masks and region labels byte for byte, the same set of files; the
+    # heatmap PNGs hold round(255 R), and a batch of another size may round the forward in
+    # the last bit, which can move a pixel across a rounding boundary: one level at most
     for folder in ("masks", "heatmaps", "labels"):
         a, b = _files(one, folder), _files(two, folder)
         assert len(a) == len(SIZES) and a.keys() == b.keys(), folder
         for k in a:
-            assert a[k] == b[k], f"{folder}/{k} differs"
+            if folder != "heatmaps":
+                assert a[k] == b[k], f"{folder}/{k} differs"
+                continue
+            x, y = (np.asarray(Image.open(io.BytesIO(v))).astype(int) for v in (a[k], b[k]))
+            assert x.shape == y.shape and np.abs(x - y).max() <= 1, f"{folder}/{k} differs"
+            assert (x != y).mean() < 0.01, f"{folder}/{k}: {(x != y).mean():.3%} of pixels differ"
     # COCO: same images, annotations and ids as the single process
     _same_coco(one, two)
     m1, m2 = (json.loads((o / "run.json").read_text()) for o in (one, two))
