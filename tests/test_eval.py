@@ -342,13 +342,15 @@ def test_mask_at_image_and_grid():
 # ------------------------------------------------------------------------------ prompts
 
 
-def test_class_names_reach_the_backbone_as_prompts(tmp_path, counting, monkeypatch):
+def _prompt_spy(tmp_path, monkeypatch, synsets: list[str]) -> list:
+    """Three random images of the given synsets in a gtsegs file; returns the list that
+    collects the prompts of every backbone call."""
     from test_datasets import write_gtsegs
 
     rng = np.random.default_rng(0)
     ims = [rng.integers(0, 256, (30, 30, 3), dtype=np.uint8) for _ in range(3)]
     masks = [rng.random((30, 30)) > 0.5 for _ in range(3)]
-    write_gtsegs(tmp_path / "gtsegs_ijcv.mat", ims, masks, ["n02084071", "n01443537", "n07747607"])
+    write_gtsegs(tmp_path / "gtsegs_ijcv.mat", ims, masks, synsets)
     seen = []
     orig = CountingBackbone.extract
 
@@ -357,6 +359,11 @@ def test_class_names_reach_the_backbone_as_prompts(tmp_path, counting, monkeypat
         return orig(self, pixels, capture, prompts=prompts)
 
     monkeypatch.setattr(CountingBackbone, "extract", spy)
+    return seen
+
+
+def test_class_names_reach_the_backbone_as_prompts(tmp_path, counting, monkeypatch):
+    seen = _prompt_spy(tmp_path, monkeypatch, ["n02084071", "n01443537", "n07747607"])
     out = tmp_path / "out"
     cfg = cfg_for(*TINY, "dataset=imagenet_seg", f"dataset.root={tmp_path}", f"output={out}", "batch_size=3")
     assert run_eval(cfg) == EXIT_OK
@@ -367,20 +374,7 @@ def test_class_names_reach_the_backbone_as_prompts(tmp_path, counting, monkeypat
 def test_unknown_class_falls_back_per_image_and_is_counted(tmp_path, counting, monkeypatch):
     """One image with an unknown synset: only that image is prompted with the default class
     (the others keep theirs), and results.json counts the fallback."""
-    from test_datasets import write_gtsegs
-
-    rng = np.random.default_rng(0)
-    ims = [rng.integers(0, 256, (30, 30, 3), dtype=np.uint8) for _ in range(3)]
-    masks = [rng.random((30, 30)) > 0.5 for _ in range(3)]
-    write_gtsegs(tmp_path / "gtsegs_ijcv.mat", ims, masks, ["n02084071", "n00000042", "n07747607"])
-    seen = []
-    orig = CountingBackbone.extract
-
-    def spy(self, pixels, capture, prompts=None):
-        seen.append(prompts)
-        return orig(self, pixels, capture, prompts=prompts)
-
-    monkeypatch.setattr(CountingBackbone, "extract", spy)
+    seen = _prompt_spy(tmp_path, monkeypatch, ["n02084071", "n00000042", "n07747607"])
     monkeypatch.setattr(CountingBackbone, "default_class", "object", raising=False)  # as FLUX
     out = tmp_path / "out"
     cfg = cfg_for(*TINY, "dataset=imagenet_seg", f"dataset.root={tmp_path}", f"output={out}",
