@@ -5,6 +5,10 @@ clear reason when it is absent, so a user's checkout still passes."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,3 +47,16 @@ def ecssd_dev(shared_dir: Path) -> Path:
     if not (d / "images").is_dir():
         pytest.skip(f"{d} is missing")
     return d
+
+
+def interrupt_when(proc: subprocess.Popen, ready: Callable[[], bool], timeout: float = 240,
+                   poll: float = 0.05) -> str:
+    """Wait until ``ready()`` (the run has made progress), then Ctrl-C ``proc``; returns its
+    output. Fails if the run ended before it could be interrupted."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and not ready():
+        time.sleep(poll)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    log, _ = proc.communicate(timeout=120)
+    return log

@@ -5,15 +5,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+
+from conftest import interrupt_when
 
 SEGMENT = Path(sys.executable).with_name("segment")
 TINY = ["model=vit_tiny_random", "device=cpu", "render.fsync=false"]
@@ -73,14 +73,8 @@ def test_cli_ctrl_c_then_resume(tmp_path):
         _img(56, 56, i).save(src / f"{i:03d}.png")
     cmd = [str(SEGMENT), f"input={src}", f"output={out}", "batch_size=4", "progress=false", *TINY]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if (out / "records").is_dir() and any((out / "records").iterdir()):
-            break
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run ended before it could be interrupted"
-    proc.send_signal(signal.SIGINT)
-    log, _ = proc.communicate(timeout=120)
+    log = interrupt_when(proc, lambda: (out / "records").is_dir() and any((out / "records").iterdir()),
+                         poll=0.02)
     assert proc.returncode == 130, log
     assert "interrupted" in log
     man = json.loads((out / "run.json").read_text())

@@ -411,10 +411,15 @@ class QuantileRegions(ClsAttention):
         return MethodOutput(heatmap=heat, labels=lab, foreground=fg)
 
 
-def test_multiclass_end_to_end(tmp_path, monkeypatch, counting):
+@pytest.fixture
+def quantile_methods(monkeypatch):
+    """``segment_test_methods.QuantileRegions`` importable as a config ``_target_``."""
     mod = types.ModuleType("segment_test_methods")
     mod.QuantileRegions = QuantileRegions
     monkeypatch.setitem(sys.modules, "segment_test_methods", mod)
+
+
+def test_multiclass_end_to_end(tmp_path, quantile_methods, counting):
     root = tmp_path / "cityscapes"
     rng = np.random.default_rng(0)
     for i in range(3):
@@ -453,12 +458,9 @@ def test_multiclass_end_to_end(tmp_path, monkeypatch, counting):
     assert run_eval(cfg) == EXIT_BAD_INPUT
 
 
-def test_label_folder_tables_and_panels(tmp_path, monkeypatch, counting, capsys):
+def test_label_folder_tables_and_panels(tmp_path, quantile_methods, counting, capsys):
     """dataset=labels end to end: pixAcc, mIoU, regions and per-class IoU (named) in
     results.json / .csv / .md, equal to the metric on the same predictions; class panels."""
-    mod = types.ModuleType("segment_test_methods")
-    mod.QuantileRegions = QuantileRegions
-    monkeypatch.setitem(sys.modules, "segment_test_methods", mod)
     root = tmp_path / "set"
     rng = np.random.default_rng(1)
     for i in range(3):

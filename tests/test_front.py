@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import interrupt_when
 from segment.front import config_names, help_text, suggest
 
 BIN = Path(sys.executable).parent
@@ -162,15 +162,7 @@ def test_segment_eval_ctrl_c_exits_130(tmp_path):
     proc = subprocess.Popen([str(BIN / "segment-eval"), *TINY, f"dataset.root={data}", "dataset.size=[48,56]",
                              "model.image_size=56", "batch_size=2", "panels=0", f"output={out}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e, cwd=tmp_path)
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        cache = list((out / "cache").glob("*/*.json")) if (out / "cache").is_dir() else []
-        if cache:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before it could be interrupted"
-    proc.send_signal(signal.SIGINT)
-    log, _ = proc.communicate(timeout=120)
+    log = interrupt_when(proc, lambda: (out / "cache").is_dir() and any((out / "cache").glob("*/*.json")))
     assert proc.returncode == 130, log
     assert "interrupted" in log and "Traceback" not in log
 
