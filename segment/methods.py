@@ -75,7 +75,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from segment import markov
-from segment.masks import MethodOutput
+from segment.masks import MethodOutput, minmax
 from segment.record import AttentionRecord, Capture, TokenLayout
 from segment.reduce import fuse_layer
 
@@ -192,13 +192,6 @@ def _renorm(v: Tensor) -> Tensor:
     s = v.sum(-1, keepdim=True)
     uniform = torch.full_like(v, 1.0 / v.shape[-1])
     return torch.where(s > 0, v / s.clamp_min(torch.finfo(v.dtype).tiny), uniform)
-
-
-def _minmax(x: Tensor) -> Tensor:
-    """Per-image min-max of ``(B, H, W)`` to ``[0, 1]`` (a constant map becomes 0)."""
-    flat = x.flatten(1)
-    lo, hi = flat.amin(1, keepdim=True), flat.amax(1, keepdim=True)
-    return ((flat - lo) / (hi - lo).clamp_min(1e-12)).view_as(x)
 
 
 def _as_compute(x: Tensor) -> Tensor:
@@ -860,7 +853,7 @@ class RegionGrow(Method):
         heat = torch.einsum("bkhw,bk->bhw", prob, prop_score.to(prob))
         fg_px = torch.gather(foreground, 1, labels.flatten(1))
         if self.heat == "blend":  # rank by the mask, then by the scores inside it
-            heat = (_minmax(heat) + _minmax(cls_img.to(heat)) + fg_px.view_as(heat).to(heat)) / 3
+            heat = (minmax(heat) + minmax(cls_img.to(heat)) + fg_px.view_as(heat).to(heat)) / 3
         # an image whose regions all fell on one side (one region, or a uniform decision)
         # has no foreground/background split: fall back to the protocol's pixel rule on the
         # CLS attention (heatmap and mask), the method's floor
