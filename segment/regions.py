@@ -322,11 +322,27 @@ def pixel_chain_refine(
         raise ValueError(
             f"prob {tuple(prob.shape)} and image {tuple(image.shape)} must share batch and size"
         )
-    img = image.float()
-    b, _, h, w = img.shape
     r, dl = int(radius), max(1, int(dilation))
     offsets = [(dy, dx) for dy in range(-r, r + 1, dl) for dx in range(-r, r + 1, dl)]
-    pad = r
+    x = prob.float()
+    if x.is_cuda:  # the whole batch at once (the same numbers)
+        return _pixel_chain_steps(x, image.float(), offsets, r, sigma_space, sigma_color,
+                                  int(steps))
+    out = torch.zeros_like(x)
+    # one image at a time (its maps stay in cache), and only its nonzero maps: the zero
+    # slots of a padded batch stay zero under any bounce
+    for i in range(x.shape[0]):
+        live = x[i].flatten(1).any(1).nonzero()[:, 0]
+        if live.numel():
+            out[i, live] = _pixel_chain_steps(x[i: i + 1, live], image[i: i + 1].float(), offsets,
+                                              r, sigma_space, sigma_color, int(steps))[0]
+    return out
+
+
+def _pixel_chain_steps(x: Tensor, img: Tensor, offsets: list[tuple[int, int]], pad: int,
+                       sigma_space: float, sigma_color: float, steps: int) -> Tensor:
+    """``steps`` bounces of :func:`pixel_chain_refine`'s chain on ``(B, K, H, W)`` maps."""
+    h, w = img.shape[-2:]
     imp = F.pad(img, (pad, pad, pad, pad), mode="replicate")
     logits = []
     for dy, dx in offsets:
@@ -334,8 +350,7 @@ def pixel_chain_refine(
         col = ((shifted - img) ** 2).sum(1)  # (B, H, W)
         logits.append(-(dy * dy + dx * dx) / (2 * sigma_space**2) - col / (2 * sigma_color**2))
     weights = torch.softmax(torch.stack(logits, 1), dim=1)  # (B, O, H, W)
-    x = prob.float()
-    for _ in range(int(steps)):
+    for _ in range(steps):
         xp = F.pad(x, (pad, pad, pad, pad), mode="replicate")
         acc = torch.zeros_like(x)
         for o, (dy, dx) in enumerate(offsets):
@@ -427,6 +442,8 @@ def _absorb_small(labels: Tensor, min_area: int) -> Tensor:
     small &= ~all_small  # an image of small components only keeps them
     tiny = torch.gather(small, 1, lab.flatten(1)).view(b, h, w)
     cur = torch.where(tiny, torch.full_like(lab, -1), lab)
+    if not cur.is_cuda:
+        return _grow_into_cpu(cur)
     for _ in range(h + w):
         missing = cur < 0
         if not bool(missing.any()):
@@ -435,6 +452,30 @@ def _absorb_small(labels: Tensor, min_area: int) -> Tensor:
         grown = grown.squeeze(1).long() - 1
         cur = torch.where(missing & (grown >= 0), grown, cur)
     return cur
+
+
+def _grow_into_cpu(cur: Tensor) -> Tensor:
+    """:func:`_absorb_small`'s growth on the CPU: the same labels, visiting only the holes.
+
+    Every step, each unfilled pixel takes the largest label id among its 8 neighbours (as
+    the max-pool does), all at once; only the hole pixels are gathered, so a step costs
+    ``O(hole pixels)`` instead of ``O(image)``.
+    """
+    b, h, w = cur.shape
+    grid = np.zeros((b, h + 2, w + 2), dtype=np.int64)  # ids + 1; 0 = none (border, holes)
+    grid[:, 1:-1, 1:-1] = cur.numpy() + 1
+    flat = grid.reshape(-1)
+    row = w + 2
+    around = np.array([-row - 1, -row, -row + 1, -1, 1, row - 1, row, row + 1])
+    todo = np.flatnonzero(np.pad(cur.numpy() < 0, ((0, 0), (1, 1), (1, 1))))
+    while todo.size:
+        grown = flat[todo[:, None] + around].max(1)
+        fill = grown > 0
+        if not fill.any():  # a hole with no labelled rim (never, with kept regions)
+            break
+        flat[todo[fill]] = grown[fill]
+        todo = todo[~fill]
+    return torch.from_numpy(grid[:, 1:-1, 1:-1] - 1)
 
 
 def region_scores(labels: Tensor, score: Tensor, num: int | None = None) -> Tensor:
