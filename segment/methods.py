@@ -167,6 +167,27 @@ def patch_chain(attn: Tensor, layout: TokenLayout) -> Tensor:
                           lambda: markov.strip_prefix(attn[..., g, g], 0, zero_rows="uniform"))
 
 
+def _mean_patch_chain(attn: Tensor, layout: TokenLayout) -> Tensor:
+    """``(B, n, n)`` the mean over heads of :func:`patch_chain` of ``(B, H, N, N)``.
+
+    Each head's grid block is renormalised and averaged in one pass over the attention
+    (its row sums scale the block as it is added), never building the ``(B, H, n, n)``
+    per-head chains; rows with no grid mass are uniform, as in :func:`patch_chain`.
+    """
+    g = layout.patches
+    a = _as_compute(attn[..., g, g])  # (B, H, n, n), a view when already float32
+    b, h, n, _ = a.shape
+    sums = a.sum(-1)  # (B, H, n)
+    zero = sums <= 0
+    coef = torch.where(zero, torch.zeros_like(sums), 1.0 / (h * sums.clamp_min(1e-38)))
+    out = torch.zeros(b, n, n, dtype=a.dtype, device=a.device)
+    for k in range(h):
+        out.addcmul_(a[:, k], coef[:, k].unsqueeze(-1))
+    if bool(zero.any()):  # the uniform rows of heads that put no mass on the grid
+        out += (zero.to(a.dtype).sum(1) / (h * n)).unsqueeze(-1)
+    return out
+
+
 def grid_weights(chain: Tensor, heads: str) -> Tensor:
     """Head weights ``(B, H)`` from patch chains ``(B, H, n, n)``.
 
@@ -736,6 +757,8 @@ class RegionGrow(Method):
     # the chain over grid tokens ----------------------------------------------------------
 
     def _attention_chain(self, attn: Tensor, layout: TokenLayout) -> Tensor:
+        if self.heads == "mean" and attn.shape[1] > 1:
+            return _mean_patch_chain(attn, layout)
         chain = patch_chain(_as_compute(attn), layout)  # (B, H, n, n)
         if chain.shape[1] == 1:
             return chain[:, 0]
@@ -759,7 +782,7 @@ class RegionGrow(Method):
         # similarity: softmax_j(sum_h w_h cos_h(k_i, k_j) / T)
         kn = F.normalize(k, dim=-1)
         sim = torch.einsum("bh,bhid,bhjd->bij", w, kn, kn)
-        return torch.softmax(sim / t, dim=-1)
+        return torch.softmax(sim.div_(t), dim=-1)
 
     def grid_chain(self, record: AttentionRecord) -> Tensor:
         """``(B, n, n)`` the chain the regions grow on (layers averaged)."""
@@ -783,10 +806,10 @@ class RegionGrow(Method):
                 chains.append(pa)
             elif self.chain == "keys":
                 chains.append(pk)
-            else:
+            else:  # (1 - w) P_attention + w P_keys; pk is this call's own tensor
                 wk = float(self.key_weight)
-                chains.append((1 - wk) * pa + wk * pk)
-        return torch.stack(chains).mean(0)
+                chains.append(pk.mul_(wk).add_(pa * (1 - wk)))
+        return chains[0] if len(chains) == 1 else torch.stack(chains).mean(0)
 
     # the stage -----------------------------------------------------------------------------
 

@@ -66,7 +66,7 @@ def key_chain(keys: Tensor, temperature: float = 0.05) -> Tensor:
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     k = F.normalize(keys.to(markov.compute_dtype(keys.dtype)), dim=-1)
-    return torch.softmax(k @ k.transpose(-1, -2) / temperature, dim=-1)
+    return torch.softmax((k @ k.transpose(-1, -2)).div_(temperature), dim=-1)
 
 
 def grid_seeds(grid: tuple[int, int], stride: int, device: torch.device | str = "cpu") -> Tensor:
@@ -207,25 +207,25 @@ def _leaders(dist: Tensor, valid: Tensor, threshold: float) -> Tensor:
 
     Slots are visited in order; the first unassigned valid slot becomes a leader and takes
     every unassigned valid slot closer than ``threshold`` to it (not transitively: a chain
-    of small steps does not merge distant proposals). One pass per leader, all images at
-    once, and only the leaders' rows of the KL matrix are computed. Returns ``(B, S)`` the
-    leader index of every slot (invalid slots point to themselves).
+    of small steps does not merge distant proposals). The KL matrix is computed once, all
+    images at once; the sequential sweep over leaders runs on its ``(S, S)`` threshold
+    pattern, one image at a time on the CPU. Returns ``(B, S)`` the leader index of every
+    slot (invalid slots point to themselves).
     """
     b, s, _ = dist.shape
-    rows = torch.arange(b, device=dist.device)
-    lab = torch.arange(s, device=dist.device).expand(b, s).clone()
-    free = valid.clone()
-    terms = _log_terms(dist)  # the logarithms once, reused for every leader's row
-    while bool(free.any()):
-        has = free.any(1)  # (B,)
-        lead = free.to(torch.int8).argmax(1)  # the first free slot of every image
-        lead_terms = tuple(t[rows, lead].unsqueeze(1) for t in terms)
-        kl = _symkl(lead_terms, terms)[:, 0]  # (B, S): the leaders' rows only
-        take = (kl < threshold) & free & has.unsqueeze(1)
-        take[rows, lead] |= has
-        lab = torch.where(take, lead.unsqueeze(1), lab)
-        free &= ~take
-    return lab
+    terms = _log_terms(dist)
+    near = (_symkl(terms, terms) < threshold).cpu().numpy()  # (B, S, S)
+    free_all = valid.cpu().numpy().copy()
+    lab = np.tile(np.arange(s), (b, 1))
+    for i in range(b):
+        free, row = free_all[i], lab[i]
+        while free.any():
+            lead = int(free.argmax())  # the first free slot
+            take = near[i, lead] & free
+            take[lead] = True
+            row[take] = lead
+            free &= ~take
+    return torch.from_numpy(lab).to(dist.device)
 
 
 def merge_proposals(

@@ -481,3 +481,24 @@ def test_lambda2_weights_shared_by_methods_of_one_record(monkeypatch):
     chain = methods_mod.patch_chain(a, VIT)
     assert chain is methods_mod.patch_chain(a, VIT)
     np.testing.assert_allclose(chain.numpy(), np_patch_chain(a.numpy(), G))
+
+
+def test_mean_patch_chain_equals_float64_per_head_chains():
+    """The one-pass mean of the heads' patch chains (RegionGrow, heads=mean) equals
+    renormalising every head's grid block in float64 and averaging, zero rows included."""
+    from segment.methods import _mean_patch_chain
+
+    g = torch.Generator().manual_seed(3)
+    layout = TokenLayout(num_tokens=1 + 12 + 2, prefix=1, grid=(3, 4))
+    attn = torch.softmax(torch.randn(2, 5, 15, 15, generator=g) * 3, -1)
+    attn[0, 2, 4, 1:13] = 0.0  # a row with no grid mass: uniform in that head's chain
+    attn[1, :, 7, 1:13] = 0.0  # ... in every head
+    got = _mean_patch_chain(attn, layout)
+    a = attn.double()[..., 1:13, 1:13]
+    s = a.sum(-1, keepdim=True)
+    per_head = torch.where(s > 0, a / s.clamp_min(1e-300), torch.full_like(a, 1 / 12))
+    want = per_head.mean(1)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got.sum(-1), torch.ones(2, 12), rtol=0, atol=1e-6)
+    assert torch.allclose(got[1, 6], torch.full((12,), 1 / 12))
