@@ -85,7 +85,7 @@ log = logging.getLogger(__name__)
 BINARY_COLUMNS = ("pixAcc", "mIoU", "mIoU_CA", "mAP")
 MULTICLASS_COLUMNS = ("pixAcc", "mIoU", "regions")  # + per-class IoU; regions: mean per image
 # bump when a change outside the hashed modules (see fingerprint, method_key) changes scores
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 
 
 class ConfigError(ValueError):

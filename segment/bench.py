@@ -16,13 +16,15 @@ shared weights, or ``--weights``; synthetic attention-like chains otherwise) aga
 float64 ``eigvals`` over every head of every layer of several ecssd-dev images (10 at
 224 px and 2 at 448 px by default: 864 heads), with the range of ``|lambda_2|``.
 ``regions``: the seed-and-grow stage per image against the backbone forward of the same
-batch.
+batch, in ``--repeat`` interleaved rounds (medians; the ratio is the median of the rounds'
+ratios).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -208,7 +210,7 @@ def bench_regions(argv: Sequence[str]) -> None:
     p = argparse.ArgumentParser(prog="python -m segment.bench regions")
     p.add_argument("--sizes", type=int, nargs="+", default=[224, 448])
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--weights", default=None)
     p.add_argument("overrides", nargs="*", help="method overrides, e.g. method.refine_steps=0")
@@ -231,21 +233,34 @@ def bench_regions(argv: Sequence[str]) -> None:
                         image_size=size, device=str(device))
         x = model.collate([img] * args.batch).to(device)
         cap = method.capture(model.num_layers)
-        with torch.no_grad():
-            t_fwd = _time(lambda: model.forward_plain(x), device, args.repeat)
-            rec = model.extract(x, cap)
-            t_ext = _time(lambda: model.extract(x, cap), device, args.repeat)
-            t_reg = _time(lambda: method(rec), device, args.repeat)
-            refine = getattr(method, "refine_steps", 0)
-            if refine:
-                method.refine_steps = 0
-                t_noref = _time(lambda: method(rec), device, args.repeat)
+        refine = getattr(method, "refine_steps", 0)
+
+        def no_refine() -> object:
+            method.refine_steps = 0
+            try:
+                return method(rec)
+            finally:
                 method.refine_steps = refine
-            else:
-                t_noref = t_reg
+
+        with torch.no_grad():
+            rec = model.extract(x, cap)
+            method(rec)  # warm-up
+            # interleaved rounds (forward, extract, regions, regions without refinement): a
+            # machine that slows down or speeds up mid-run moves all four alike, and the
+            # ratio is the median of the rounds' ratios
+            rounds = [
+                (_time(lambda: model.forward_plain(x), device),
+                 _time(lambda: model.extract(x, cap), device),
+                 _time(lambda: method(rec), device),
+                 _time(no_refine, device) if refine else None)
+                for _ in range(args.repeat)
+            ]
+        t_fwd, t_ext, t_reg = (statistics.median(r[j] for r in rounds) for j in range(3))
+        ratio = statistics.median(r[2] / r[0] for r in rounds)
+        t_noref = statistics.median(r[3] for r in rounds) if refine else t_reg
         b = args.batch
         print(f"| {size} | {rec.layout.num_tokens} | {1e3 * t_fwd / b:.1f} | {1e3 * t_ext / b:.1f} | "
-              f"{1e3 * t_reg / b:.1f} | {t_reg / t_fwd:.2f} | {1e3 * (t_reg - t_noref) / b:.1f} |",
+              f"{1e3 * t_reg / b:.1f} | {ratio:.2f} | {1e3 * (t_reg - t_noref) / b:.1f} |",
               flush=True)
 
 

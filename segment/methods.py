@@ -913,10 +913,13 @@ class RegionGrow(Method):
 
         b, size = labels.shape[0], tuple(labels.shape[-2:])
         fine = rg.merge_proposals(dist, float(self.label_tau), int(self.iterations))
-        prob = F.interpolate(rg.soft_assign(fine).view(b, -1, *grid), size=size, mode="bilinear",
-                             align_corners=False)
+        grid_prob = rg.soft_assign(fine).view(b, -1, *grid)
         mask = torch.gather(foreground, 1, labels.flatten(1)).view_as(labels)
-        hard = prob.max(1).indices.to(labels.device)
+        # every pixel's most likely proposal; one image at a time on the CPU (in cache)
+        hard = torch.cat([
+            F.interpolate(part, size=size, mode="bilinear", align_corners=False).max(1).indices
+            for part in (grid_prob.split(1) if not grid_prob.is_cuda else [grid_prob])
+        ]).to(labels.device)
         if self.connectivity:  # components and specks before the cut: the mask stays exact
             area = int(round(float(self.min_area) * size[0] * size[1]))
             hard = rg.connected_regions(hard, min_area=area)

@@ -30,7 +30,7 @@ import platform
 import time
 import urllib.parse
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -533,7 +533,10 @@ def write_image(
 
 
 def write_record(root: str | os.PathLike, rec: ImageRecord, fsync: bool = True) -> None:
-    data = (json.dumps(asdict(rec), separators=(",", ":")) + "\n").encode("utf-8")
+    # the fields as they are (json copies nothing; dataclasses.asdict would deep-copy every
+    # annotation first, ~10 ms an image)
+    fields = {k: getattr(rec, k) for k in rec.__dataclass_fields__}
+    data = (json.dumps(fields, separators=(",", ":")) + "\n").encode("utf-8")
     write_file(Path(root) / rel_output("record", rec.name), data, fsync)
 
 

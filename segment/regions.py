@@ -342,14 +342,28 @@ def pixel_chain_refine(
 def _pixel_chain_steps(x: Tensor, img: Tensor, offsets: list[tuple[int, int]], pad: int,
                        sigma_space: float, sigma_color: float, steps: int) -> Tensor:
     """``steps`` bounces of :func:`pixel_chain_refine`'s chain on ``(B, K, H, W)`` maps."""
-    h, w = img.shape[-2:]
+    b, _, h, w = img.shape
     imp = F.pad(img, (pad, pad, pad, pad), mode="replicate")
-    logits = []
+    logits = torch.empty(b, len(offsets), h, w, dtype=img.dtype, device=img.device)
+    index = {o: i for i, o in enumerate(offsets)}
     for dy, dx in offsets:
-        shifted = imp[:, :, pad + dy: pad + dy + h, pad + dx: pad + dx + w]
-        col = ((shifted - img) ** 2).sum(1)  # (B, H, W)
-        logits.append(-(dy * dy + dx * dx) / (2 * sigma_space**2) - col / (2 * sigma_color**2))
-    weights = torch.softmax(torch.stack(logits, 1), dim=1)  # (B, O, H, W)
+        mirror = index.get((-dy, -dx))
+        if (dy, dx) < (0, 0) and mirror is not None:
+            continue  # filled with its mirror offset
+        # |I(q + o) - I(q)|^2 on the padded frame for q = p and q = p - o: the mirror
+        # offset's distance at p is this one's at p - o (the replicate padding holds
+        # I(clamp(p - o))), the same numbers computed once
+        y0, x0 = pad - max(dy, 0), pad - max(dx, 0)
+        y1, x1 = pad + h + max(-dy, 0), pad + w + max(-dx, 0)
+        col = ((imp[:, :, y0 + dy: y1 + dy, x0 + dx: x1 + dx] - imp[:, :, y0:y1, x0:x1]) ** 2).sum(1)
+        pairs = [((dy, dx), max(dy, 0), max(dx, 0))]
+        if mirror is not None and (dy, dx) != (0, 0):
+            pairs.append(((-dy, -dx), max(-dy, 0), max(-dx, 0)))
+        for (ey, ex), top, left in pairs:
+            out = logits[:, index[(ey, ex)]]  # -|o|^2 / 2 sigma_s^2 - col / 2 sigma_c^2
+            torch.div(col[:, top: top + h, left: left + w], -(2 * sigma_color**2), out=out)
+            out.add_(-(ey * ey + ex * ex) / (2 * sigma_space**2))
+    weights = torch.softmax(logits, dim=1)  # (B, O, H, W)
     for _ in range(steps):
         xp = F.pad(x, (pad, pad, pad, pad), mode="replicate")
         acc = torch.zeros_like(x)
@@ -362,8 +376,8 @@ def _pixel_chain_steps(x: Tensor, img: Tensor, offsets: list[tuple[int, int]], p
 def connected_regions(labels: Tensor, min_area: int = 0) -> Tensor:
     """Split every region into its connected components and absorb tiny ones.
 
-    Components are 8-connected (OpenCV ``connectedComponents`` on CPU, kornia's exact
-    ``connected_components_union_find`` on CUDA: the same components). Components smaller
+    Components are 8-connected (scikit-image's ``label`` on CPU, kornia's exact
+    ``connected_components_union_find`` on CUDA: the same components, numbered alike). Components smaller
     than ``min_area`` pixels are filled by the kept regions around them.
 
     Args:
@@ -385,19 +399,13 @@ def connected_regions(labels: Tensor, min_area: int = 0) -> Tensor:
 
 
 def _components_cpu(labels: Tensor) -> Tensor:
-    import cv2
+    """8-connected components of equal labels, one pass per image (scikit-image)."""
+    from skimage.measure import label as components
 
     lab = labels.detach().cpu().numpy().astype(np.int64)
-    out = np.zeros_like(lab)
-    for i in range(lab.shape[0]):
-        nxt = 0
-        for v in np.unique(lab[i]):
-            m = (lab[i] == v).astype(np.uint8)
-            k, cc = cv2.connectedComponents(m, connectivity=8)
-            sel = cc > 0
-            out[i][sel] = cc[sel] - 1 + nxt
-            nxt += k - 1
-    return torch.from_numpy(out).to(labels.device)
+    lab -= lab.min()  # >= 0: no value is scikit-image's background (-1)
+    cc = np.stack([components(lab[i], background=-1, connectivity=2) for i in range(lab.shape[0])])
+    return _number_components(torch.from_numpy(cc), torch.from_numpy(lab)).to(labels.device)
 
 
 def _components_cuda(labels: Tensor) -> Tensor:
@@ -408,7 +416,26 @@ def _components_cuda(labels: Tensor) -> Tensor:
     k = int(lab.max()) + 1
     onehot = F.one_hot(lab, k).permute(0, 3, 1, 2).reshape(b * k, 1, h, w)
     cc = connected_components_union_find(onehot).view(b, k, h, w).sum(1)  # ids are unique
-    return cc
+    return _number_components(cc, lab)
+
+
+def _number_components(cc: Tensor, labels: Tensor) -> Tensor:
+    """Components ``cc`` (any unique ids) numbered ``0 .. n_b - 1`` per image by (label
+    value, raster position of the first pixel): one numbering on every device."""
+    ids = relabel(cc)
+    b = ids.shape[0]
+    n = int(ids.max()) + 1
+    flat = ids.flatten(1)
+    pos = torch.arange(flat.shape[1], device=ids.device).expand(b, -1)
+    first = torch.full((b, n), flat.shape[1], device=ids.device, dtype=torch.long)
+    first.scatter_reduce_(1, flat, pos, reduce="amin")
+    value = torch.zeros(b, n, device=ids.device, dtype=torch.long)
+    value.scatter_(1, flat, labels.flatten(1).long())
+    key = value * (flat.shape[1] + 1) + first  # absent ids (first = H W) sort last
+    key = torch.where(first == flat.shape[1], torch.iinfo(torch.long).max, key)
+    rank = torch.empty_like(key)
+    rank.scatter_(1, key.argsort(1), torch.arange(n, device=ids.device).expand(b, -1).contiguous())
+    return torch.gather(rank, 1, flat).view_as(ids)
 
 
 def relabel(labels: Tensor) -> Tensor:
@@ -441,17 +468,22 @@ def _absorb_small(labels: Tensor, min_area: int) -> Tensor:
     all_small = (small | ~present).all(1, keepdim=True)
     small &= ~all_small  # an image of small components only keeps them
     tiny = torch.gather(small, 1, lab.flatten(1)).view(b, h, w)
-    cur = torch.where(tiny, torch.full_like(lab, -1), lab)
+    # the growth takes the largest id around a pixel: ids ranked by area (then id), so a
+    # speck between kept regions at the same distance joins the largest of them
+    order = torch.argsort(area * k + torch.arange(k, device=lab.device), dim=1)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(k, device=lab.device).expand(b, k).contiguous())
+    cur = torch.where(tiny, torch.full_like(lab, -1), torch.gather(rank, 1, lab.flatten(1)).view_as(lab))
     if not cur.is_cuda:
-        return _grow_into_cpu(cur)
-    for _ in range(h + w):
-        missing = cur < 0
-        if not bool(missing.any()):
-            break
-        grown = F.max_pool2d((cur + 1).float().unsqueeze(1), 3, stride=1, padding=1)
-        grown = grown.squeeze(1).long() - 1
-        cur = torch.where(missing & (grown >= 0), grown, cur)
-    return cur
+        cur = _grow_into_cpu(cur)
+    else:
+        for _ in range(h + w):
+            missing = cur < 0
+            if not bool(missing.any()):
+                break
+            grown = F.max_pool2d((cur + 1).float().unsqueeze(1), 3, stride=1, padding=1)
+            grown = grown.squeeze(1).long() - 1
+            cur = torch.where(missing & (grown >= 0), grown, cur)
+    return torch.gather(order, 1, cur.flatten(1).clamp_min(0)).view_as(cur)  # back to the ids
 
 
 def _grow_into_cpu(cur: Tensor) -> Tensor:

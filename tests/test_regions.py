@@ -620,3 +620,83 @@ def test_default_recipe_on_planted_chains():
     r, mask = to_masks(out, (32, 32))
     assert torch.equal(mask[0], up == 1)
     assert pooled_average_precision(r[0], up == 1) == pytest.approx(1.0)
+
+
+def _maxpool_growth(cur: torch.Tensor) -> torch.Tensor:
+    """The reference growth of _absorb_small: whole-image 3x3 max-pools until filled."""
+    h, w = cur.shape[-2:]
+    for _ in range(h + w):
+        missing = cur < 0
+        if not bool(missing.any()):
+            break
+        grown = torch.nn.functional.max_pool2d((cur + 1).float().unsqueeze(1), 3, 1, 1)
+        grown = grown.squeeze(1).long() - 1
+        cur = torch.where(missing & (grown >= 0), grown, cur)
+    return cur
+
+
+def test_speck_growth_on_the_cpu_equals_the_max_pool_growth():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        b, h, w = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 4), (3, 40), (3, 40)))
+        k = int(torch.randint(2, 9, (1,), generator=g))
+        lab = torch.randint(0, k, (b, (h + 3) // 4, (w + 3) // 4), generator=g) * 5
+        lab = torch.nn.functional.interpolate(lab[:, None].float(), size=(h, w))[:, 0].long()
+        holes = torch.rand(b, h, w, generator=g) < 0.4  # thin specks and wide holes
+        cur = torch.where(holes, -1, lab)
+        cur[:, 0, 0] = 3  # every image keeps a label
+        assert torch.equal(rg._grow_into_cpu(cur), _maxpool_growth(cur))
+
+
+def test_components_are_numbered_by_value_then_first_pixel_on_both_paths():
+    lab = torch.tensor([[[2, 2, 0, 1],
+                         [0, 0, 0, 1],
+                         [2, 1, 0, 2],
+                         [2, 1, 1, 2]]])
+    # value 0: one component; value 1: {(0,3), (1,3)} then {(2,1), (3,1), (3,2)}; value 2:
+    # {(0,0), (0,1)}, {(2,0), (3,0)}, {(2,3), (3,3)}: numbered by value, then first pixel
+    want = torch.tensor([[[3, 3, 0, 1],
+                          [0, 0, 0, 1],
+                          [4, 2, 0, 5],
+                          [4, 2, 2, 5]]])
+    assert torch.equal(rg._components_cpu(lab), want)
+    assert torch.equal(rg._components_cuda(lab), want)  # kornia's union-find, here on the CPU
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        grid = torch.randn(2, 5, 4, 6, generator=g)
+        hard = torch.nn.functional.interpolate(grid, size=(23, 31), mode="bilinear").max(1).indices
+        assert torch.equal(rg._components_cpu(hard * 3 + 1), rg._components_cuda(hard * 3 + 1))
+
+
+def _refine_reference(prob, image, radius, dilation, sigma_space, sigma_color, steps):
+    """The pixel chain written out plainly in float64: every offset's weight from its own
+    colour difference, replicate borders."""
+    p, img = prob.double(), image.double()
+    b, _, h, w = img.shape
+    r = radius
+    offsets = [(dy, dx) for dy in range(-r, r + 1, dilation) for dx in range(-r, r + 1, dilation)]
+    pad = torch.nn.functional.pad
+    imp = pad(img, (r, r, r, r), mode="replicate")
+    logits = torch.stack([
+        -(dy * dy + dx * dx) / (2 * sigma_space**2)
+        - ((imp[:, :, r + dy: r + dy + h, r + dx: r + dx + w] - img) ** 2).sum(1) / (2 * sigma_color**2)
+        for dy, dx in offsets], 1)
+    wts = torch.softmax(logits, 1)
+    for _ in range(steps):
+        pp = pad(p, (r, r, r, r), mode="replicate")
+        p = sum(pp[:, :, r + dy: r + dy + h, r + dx: r + dx + w] * wts[:, o: o + 1]
+                for o, (dy, dx) in enumerate(offsets))
+    return p
+
+
+@pytest.mark.parametrize("radius,dilation", [(8, 4), (5, 2), (3, 1), (6, 4)])
+def test_pixel_chain_refine_matches_a_float64_reference(radius, dilation):
+    g = torch.Generator().manual_seed(radius * 10 + dilation)
+    image = torch.rand(2, 3, 19, 26, generator=g)
+    prob = torch.softmax(torch.randn(2, 4, 19, 26, generator=g) * 2, 1)
+    prob[1, 3] = 0  # a padding slot of the batch: stays zero
+    got = rg.pixel_chain_refine(prob, image, radius=radius, dilation=dilation, sigma_space=4.0,
+                                sigma_color=0.2, steps=2)
+    want = _refine_reference(prob, image, radius, dilation, 4.0, 0.2, 2)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    assert torch.count_nonzero(got[1, 3]) == 0
