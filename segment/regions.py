@@ -16,9 +16,9 @@ states do not. The stage, all batched in torch (CPU or CUDA unchanged):
    upsampled to the image, optionally refined by a few bounces of a *pixel* chain (an
    edge-aware random walk on colour and position, :func:`pixel_chain_refine`), then the
    argmax;
-5. **connectivity**: every region is split into its connected components (OpenCV on CPU,
-   kornia's union-find on CUDA), tiny components are absorbed by their neighbours
-   (:func:`connected_regions`);
+5. **connectivity**: every region is split into its connected components (scikit-image on
+   CPU, kornia's union-find on CUDA: the same ids), tiny components are absorbed by their
+   neighbours (:func:`connected_regions`);
 6. **foreground** (binary tasks): a region is foreground when the mean of a score map
    (e.g. the CLS attention) inside it exceeds the map's mean over the image: the
    protocol's mean-threshold rule applied to regions instead of pixels
@@ -329,14 +329,23 @@ def pixel_chain_refine(
         return _pixel_chain_steps(x, image.float(), offsets, r, sigma_space, sigma_color,
                                   int(steps))
     out = torch.zeros_like(x)
-    # one image at a time (its maps stay in cache), and only its nonzero maps: the zero
-    # slots of a padded batch stay zero under any bounce
-    for i in range(x.shape[0]):
-        live = x[i].flatten(1).any(1).nonzero()[:, 0]
+    # a few images at a time (up to _REFINE_PIXELS pixels: their maps stay in cache; one
+    # image at 448 px), and only their nonzero maps: the zero slots of a padded batch stay
+    # zero under any bounce
+    h, w = x.shape[-2:]
+    chunk = max(1, _REFINE_PIXELS // (h * w))
+    for i in range(0, x.shape[0], chunk):
+        part = x[i: i + chunk]
+        live = part.flatten(2).any(2).any(0).nonzero()[:, 0]
         if live.numel():
-            out[i, live] = _pixel_chain_steps(x[i: i + 1, live], image[i: i + 1].float(), offsets,
-                                              r, sigma_space, sigma_color, int(steps))[0]
+            out[i: i + chunk, live] = _pixel_chain_steps(
+                part[:, live], image[i: i + chunk].float(), offsets, r, sigma_space,
+                sigma_color, int(steps))
     return out
+
+
+_REFINE_PIXELS = 1 << 18  # pixels per chunk of the CPU pixel chain (measured: 4 x 224^2
+# together are ~15% faster than one by one; a 448^2 image alone is ~1.7x faster than 4)
 
 
 def _pixel_chain_steps(x: Tensor, img: Tensor, offsets: list[tuple[int, int]], pad: int,
