@@ -619,3 +619,35 @@ def test_eval_benchmark_runs_and_reports_both_ratios(folder, tmp_path, monkeypat
     assert all(v is not None and v >= 0 for v in res["method_ms_per_image"].values())
     printed = capsys.readouterr().out
     assert "ratio" in printed and "target >= 0.5" in printed
+
+
+def test_sweep_table_margins_and_worst_set(tmp_path):
+    """sweep_table: the best REFERENCE row of the first mIoU table is the bar; binary sets
+    need +2 mIoU and the best mAP, scenes +3 mIoU; the worst set is the smallest slack."""
+    import json
+
+    from segment.eval import sweep_table
+
+    (tmp_path / "REF_B.md").write_text(
+        "intro\n\n| method | pixAcc | mIoU | mAP |\n|---|---|---|---|\n| a | 1 | 70.00 | 90.00 |\n"
+        "| b | 1 | 72.50 | 89.00 |\n\nat 448:\n\n| method | mIoU | mAP |\n|---|---|---|\n| c | 99.0 | 99.0 |\n")
+    (tmp_path / "REF_S.md").write_text("| method | pixAcc | mIoU |\n|---|---|---|\n| k8 | 60 | 36.00 |\n")
+    assert sweep_table.best_reference(tmp_path / "REF_B.md") == {"mIoU": 72.5, "mAP": 90.0}
+    for name, rows in {
+        "bin": [{"method": "x", "pixAcc": 90, "mIoU": 75.0, "mAP": 89.5},
+                {"method": "y", "pixAcc": 90, "mIoU": 74.0, "mAP": 91.0}],
+        "scene": [{"method": "x", "pixAcc": 60, "mIoU": 40.0, "regions": 12.0},
+                  {"method": "y", "pixAcc": 60, "mIoU": 39.5, "regions": 9.0}],
+    }.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(rows))
+    assert sweep_table.main([f"bin={tmp_path / 'bin'}:{tmp_path / 'REF_B.md'}",
+                             f"scene={tmp_path / 'scene'}:{tmp_path / 'REF_S.md'}",
+                             "--out", str(tmp_path / "t")]) == 0
+    rows = (tmp_path / "t.md").read_text().splitlines()
+    # x: bin +2.50 over (slack min(0.5, mAP -0.5) = -0.50), scene +4.00 (slack +1.00)
+    assert rows[2].endswith("| +2.50 / +4.00 | bin (-0.50) |")
+    # y: bin +1.50 (slack -0.50; mAP +1.0), scene +3.50 (slack +0.50)
+    assert rows[3].endswith("| +1.50 / +3.50 | bin (-0.50) |")
+    assert "scene regions/img" in rows[0] and "bin mAP" in rows[0]
+    assert (tmp_path / "t.csv").read_text().count("\n") == 3
