@@ -56,7 +56,7 @@ def test_cpu_half_runs_and_writes_its_json(tmp_path, capsys, monkeypatch):
     for c in checks:
         assert set(c) >= {"group", "name", "metric", "value", "tolerance", "passed"} and c["passed"], c
     names = " | ".join(c["name"] for c in checks)
-    for what in ("float32", "bfloat16", "kornia vs OpenCV", "tokenrank", "lambda_2", "offload",
+    for what in ("float32", "bfloat16", "kornia vs scikit-image", "tokenrank", "lambda_2", "offload",
                  "no offload", "concept_attention", "segment vit_tiny_random", "segment-eval"):
         assert what in names, what
     for m in ("bounce", "cls_attention", "regions", "rollout", "tokenrank"):
