@@ -179,12 +179,15 @@ def _mean_patch_chain(attn: Tensor, layout: TokenLayout) -> Tensor:
     b, h, n, _ = a.shape
     sums = a.sum(-1)  # (B, H, n)
     zero = sums <= 0
-    coef = torch.where(zero, torch.zeros_like(sums), 1.0 / (h * sums.clamp_min(1e-38)))
+    tiny = ~zero & (sums < 1e-30)  # 1 / (H sum) would overflow: divided row by row below
+    coef = torch.where(zero | tiny, torch.zeros_like(sums), 1.0 / (h * sums.clamp_min(1e-30)))
     out = torch.zeros(b, n, n, dtype=a.dtype, device=a.device)
     for k in range(h):
         out.addcmul_(a[:, k], coef[:, k].unsqueeze(-1))
     if bool(zero.any()):  # the uniform rows of heads that put no mass on the grid
         out += (zero.to(a.dtype).sum(1) / (h * n)).unsqueeze(-1)
+    for bi, k, i in tiny.nonzero().tolist():
+        out[bi, i] += a[bi, k, i] / sums[bi, k, i] / h
     return out
 
 

@@ -386,8 +386,9 @@ def connected_regions(labels: Tensor, min_area: int = 0) -> Tensor:
     """Split every region into its connected components and absorb tiny ones.
 
     Components are 8-connected (scikit-image's ``label`` on CPU, kornia's exact
-    ``connected_components_union_find`` on CUDA: the same components, numbered alike). Components smaller
-    than ``min_area`` pixels are filled by the kept regions around them.
+    ``connected_components_union_find`` on CUDA: the same components, numbered alike by
+    label value, then first pixel). Components smaller than ``min_area`` pixels are filled
+    by the kept regions around them (:func:`_absorb_small`).
 
     Args:
         labels: ``(B, H, W)`` integer region labels.
@@ -463,9 +464,9 @@ def _absorb_small(labels: Tensor, min_area: int) -> Tensor:
     """Components under ``min_area`` pixels take the labels of their kept neighbours.
 
     The kept regions grow into the removed pixels one 8-neighbourhood step at a time (a
-    max-pool of the label ids), so every removed pixel ends up with the label of a nearby
-    kept region; batched and GPU-friendly. An image whose components are all small keeps
-    them.
+    max-pool of the ids ranked by area), so every removed pixel ends up with the label of
+    the nearest kept region, the largest of them on a tie; batched on the GPU, hole pixels
+    only on the CPU (the same labels). An image whose components are all small keeps them.
     """
     lab = relabel(labels)
     b, h, w = lab.shape
@@ -480,8 +481,10 @@ def _absorb_small(labels: Tensor, min_area: int) -> Tensor:
     # the growth takes the largest id around a pixel: ids ranked by area (then id), so a
     # speck between kept regions at the same distance joins the largest of them
     order = torch.argsort(area * k + torch.arange(k, device=lab.device), dim=1)
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(k, device=lab.device).expand(b, k).contiguous())
-    cur = torch.where(tiny, torch.full_like(lab, -1), torch.gather(rank, 1, lab.flatten(1)).view_as(lab))
+    ranks = torch.arange(k, device=lab.device).expand(b, k).contiguous()
+    rank = torch.empty_like(order).scatter_(1, order, ranks)
+    cur = torch.where(tiny, torch.full_like(lab, -1),
+                      torch.gather(rank, 1, lab.flatten(1)).view_as(lab))
     if not cur.is_cuda:
         cur = _grow_into_cpu(cur)
     else:

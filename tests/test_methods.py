@@ -493,6 +493,7 @@ def test_mean_patch_chain_equals_float64_per_head_chains():
     attn = torch.softmax(torch.randn(2, 5, 15, 15, generator=g) * 3, -1)
     attn[0, 2, 4, 1:13] = 0.0  # a row with no grid mass: uniform in that head's chain
     attn[1, :, 7, 1:13] = 0.0  # ... in every head
+    attn[1, 3, 2, 1:13] = 1e-41  # a row whose grid mass is denormal: still renormalised
     got = _mean_patch_chain(attn, layout)
     a = attn.double()[..., 1:13, 1:13]
     s = a.sum(-1, keepdim=True)
