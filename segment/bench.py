@@ -3,7 +3,7 @@ same run; never timed tests).
 
     python -m segment.bench markov    [--sizes 257 1024 4096] [--device cpu|cuda] [--weights PATH]
     python -m segment.bench markov --accuracy [--images-224 10] [--images-448 2] [--root DIR]
-    python -m segment.bench regions   [--sizes 224 448] [--batch 8] [--weights PATH]
+    python -m segment.bench regions   [--sizes 224 448] [--batch 4] [--repeat 5] [--weights PATH] [method overrides]
     python -m segment.bench pipeline  ...   (segment.bench_pipeline)
     python -m segment.bench flux      ...   (segment.bench_flux)
     python -m segment.bench eval      ...   (segment.bench_eval)
@@ -213,12 +213,16 @@ def bench_regions(argv: Sequence[str]) -> None:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--weights", default=None)
-    p.add_argument("overrides", nargs="*", help="method overrides, e.g. method.refine_steps=0")
-    args = p.parse_args(argv)
+    p.add_argument("overrides", nargs="*", help="method overrides, e.g. method.refine_steps=0"
+                   " (anywhere on the line)")
+    # KEY=VALUE words are overrides wherever they stand (after --sizes too)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    args = p.parse_args([a for a in argv if a not in overrides])
     device = torch.device(args.device)
     weights = _find_weights(args.weights)
     with initialize_config_module(version_base="1.3", config_module="segment.configs"):
-        cfg = compose("segment", overrides=list(args.overrides))
+        cfg = compose("segment", overrides=overrides + list(args.overrides))
     method = instantiate(cfg.method)
     print(f"# region growing vs backbone forward: method {type(method).__name__}, device "
           f"{device}, {torch.get_num_threads()} threads, batch {args.batch}, "
