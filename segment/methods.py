@@ -927,13 +927,9 @@ class RegionGrow(Method):
             area = int(round(float(self.min_area) * size[0] * size[1]))
             hard = rg.connected_regions(hard, min_area=area)
         new = rg.relabel(hard * 2 + mask.long())
-        k = int(new.max()) + 1
-        idx = new.flatten(1)
-        count = torch.zeros(b, k, device=new.device).scatter_add_(
-            1, idx, torch.ones_like(idx, dtype=torch.float32))
-        inside = torch.zeros(b, k, device=new.device).scatter_add_(
-            1, idx, mask.flatten(1).float())
-        return new, (2 * inside > count) & (count > 0)
+        # every region lies on one side of the mask: its mean mask value is 1 or 0 (0 for
+        # ids an image does not use)
+        return new, rg.region_scores(new, mask.float()) > 0.5
 
 
 # --------------------------------------------------------------------------------------
