@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from segment.bench import _sync, _time
 from segment.utils import atomic_write_json
 
 # tolerances (stated in the output next to every check)
@@ -104,11 +105,6 @@ class Check:
     note: str = ""
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
     """``fn()`` and its wall time in ms (device synchronised)."""
     _sync(device)
@@ -119,7 +115,7 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
 
 
 def _best_ms(fn: Callable[[], Any], device: torch.device, repeat: int) -> float:
-    return min(_timed(fn, device)[1] for _ in range(max(1, repeat)))
+    return 1e3 * _time(fn, device, max(1, repeat))
 
 
 def _examples() -> list:
@@ -595,10 +591,9 @@ def compose(name: str, overrides: list[str]):
 
 def method_names() -> list[str]:
     """Every method config (``configs/method/*.yaml``)."""
-    from importlib.resources import files
+    from segment.front import config_names
 
-    return sorted(p.name[:-5] for p in files("segment.configs").joinpath("method").iterdir()
-                  if p.name.endswith(".yaml"))
+    return config_names("method")
 
 
 def run_selfcheck(device: str | None = None, quick: bool = False, weights: str | None = None,
