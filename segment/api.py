@@ -38,6 +38,7 @@ from segment.io import ImageReadError, read_image, to_rgb
 from segment.masks import MethodOutput
 from segment.outputs import RenderOptions, Segmentation, overlay, postprocess
 from segment.record import AttentionRecord
+from segment.utils import unwrap_instantiation
 
 __all__ = ["Batch", "ImageReadError", "Result", "Segmenter", "compose_config", "config_names", "load", "show",
            "suggest", "to_image"]
@@ -410,9 +411,7 @@ def load(
     try:
         return Segmenter.from_config(cfg)
     except Exception as e:  # Hydra wraps constructor errors; give the user the real one
-        cause = e
-        while type(cause).__name__ == "InstantiationException" and cause.__cause__ is not None:
-            cause = cause.__cause__
+        cause = unwrap_instantiation(e)
         if cause is not e:
             raise cause from None
         raise

@@ -76,7 +76,14 @@ from segment.outputs import (
     write_image,
     write_manifest,
 )
-from segment.utils import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, resolve_device
+from segment.utils import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    resolve_device,
+    unwrap_instantiation,
+)
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +160,7 @@ def _patch_size(backbone: Any) -> tuple[int, int]:
 
 def _describe(e: BaseException) -> str:
     """One line for an exception, unwrapping Hydra's instantiation wrapper."""
-    while e.__cause__ is not None and type(e).__name__ == "InstantiationException":
-        e = e.__cause__
+    e = unwrap_instantiation(e)
     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
@@ -374,7 +380,6 @@ class SegmentRun:
         self.segmenter = Segmenter.from_config(self.cfg, backbone=self.backbone, method=self.method,
                                                model_overrides=on_rank)
         self.backbone, self.method = self.segmenter.backbone, self.segmenter.method
-        self.capture = self.segmenter.capture
         dev = torch.device(getattr(self.backbone, "device", self.device))
         # CUDA: loader threads pin each image's pixels, the forward copies them asynchronously
         self.pin_memory = dev.type == "cuda"

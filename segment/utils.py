@@ -19,6 +19,13 @@ EXIT_BAD_INPUT = 2  # unusable input or configuration
 EXIT_INTERRUPTED = 130  # Ctrl-C (finished work kept)
 
 
+def unwrap_instantiation(e: BaseException) -> BaseException:
+    """The error behind Hydra's ``InstantiationException`` wrappers (``e`` itself if none)."""
+    while type(e).__name__ == "InstantiationException" and e.__cause__ is not None:
+        e = e.__cause__
+    return e
+
+
 def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
     """``"auto"`` -> CUDA when available, else CPU; otherwise ``torch.device(spec)``.
 
