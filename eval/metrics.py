@@ -451,7 +451,7 @@ class MulticlassState:
 @dataclass
 class _Matching:
     k: int
-    hist: np.ndarray  # (K, max(K, S)) pixels of class c in segment s
+    hist: np.ndarray  # (K, S) pixels of class c in segment s
     rows: np.ndarray  # matched classes
     cols: np.ndarray  # their segments (contiguous ids)
     valid: np.ndarray  # (P,) pixels with a class in [0, K)
@@ -491,7 +491,7 @@ def matched_classes(pred: Tensor | np.ndarray, gt: Tensor | np.ndarray, num_clas
         the ``j``-th unmatched segment.
     """
     m = _match(pred, gt, num_classes)
-    seg_class = -1 - np.arange(max(m.k, len(m.segments)), dtype=np.int64)
+    seg_class = np.full(len(m.segments), -1, dtype=np.int64)
     seg_class[m.cols] = m.rows
     unmatched = seg_class < 0
     seg_class[unmatched] = -1 - np.arange(int(unmatched.sum()))

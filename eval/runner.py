@@ -319,9 +319,6 @@ class MetricCache:
             safe = f"{safe}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
         return self.root / f"{safe}.json"
 
-    def load(self, name: str) -> dict[str, State]:
-        return self.load_entry(name).states
-
     def load_entry(self, name: str) -> CacheEntry:
         if not self.enabled:
             return CacheEntry()
@@ -820,7 +817,6 @@ class _Timing:
 
     method_s: dict[str, float] = field(default_factory=dict)
     images: dict[str, int] = field(default_factory=dict)
-    methods_and_scoring_s: float = 0.0
     build_s: float = 0.0  # building the backbone (not counted in images_per_s)
 
 
@@ -873,7 +869,6 @@ def _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at, fall
             record: AttentionRecord = backbone.extract(pixels, capture, prompts=prompts)
             targets = _targets(batch)
             panel_rows: dict[int, list] = {j: [] for j, i in enumerate(idx) if i < panels}
-            t_m = time.perf_counter()
             outs = []
             for s in need:
                 t_s = time.perf_counter()
@@ -890,7 +885,6 @@ def _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at, fall
                 if panel_rows:
                     _panel_tiles(panel_rows, out, targets, mask_at, s.label, dataset.task,
                                  dataset.num_classes)
-            timing.methods_and_scoring_s += time.perf_counter() - t_m
         for j, i in enumerate(idx):
             cache.save(batch[j].name, states[i], fallbacks.get(i))
         for j, rows in panel_rows.items():

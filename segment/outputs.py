@@ -375,7 +375,7 @@ def coco_annotations(seg: Segmentation) -> list[dict[str, Any]]:
         rle = mask_utils.encode(np.asfortranarray(seg.mask.astype(np.uint8)))
         return [_annotation(rle, FOREGROUND_ID, float(seg.heatmap[seg.mask].mean()), None)]
     ids, rles = region_rles(seg.labels)
-    starts, ends, ids_c, bounds = _runs_by_region(seg.labels.ravel())
+    starts, ends, _, bounds = _runs_by_region(seg.labels.ravel())
     lens = ends - starts
     # pixel indices of the runs, concatenated (region by region, row-major inside)
     idx = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens - starts, lens)
@@ -386,24 +386,6 @@ def coco_annotations(seg: Segmentation) -> list[dict[str, Any]]:
         fg = bool(seg.foreground[k]) if k < len(seg.foreground) else False
         score = float(heat[pix[j]: pix[j + 1]].mean())
         anns.append(_annotation(rles[j], FOREGROUND_ID if fg else BACKGROUND_ID, score, int(k)))
-    return anns
-
-
-def _coco_annotations_reference(seg: Segmentation) -> list[dict[str, Any]]:
-    """One mask per region (the direct definition; tests check :func:`coco_annotations`)."""
-    if seg.labels is None:
-        parts = [(None, seg.mask, FOREGROUND_ID)]
-    else:
-        parts = []
-        for k in np.unique(seg.labels).tolist():
-            fg = bool(seg.foreground[k]) if k < len(seg.foreground) else False
-            parts.append((int(k), seg.labels == k, FOREGROUND_ID if fg else BACKGROUND_ID))
-    anns = []
-    for region, m, cat in parts:
-        if not m.any():
-            continue
-        rle = mask_utils.encode(np.asfortranarray(m.astype(np.uint8)))
-        anns.append(_annotation(rle, cat, float(seg.heatmap[m].mean()), region))
     return anns
 
 

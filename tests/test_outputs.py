@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 
 import segment.utils
+from segment import outputs
 from segment.masks import MethodOutput, threshold_mean
 from segment.outputs import (
     BACKGROUND_ID,
@@ -194,11 +196,27 @@ def test_region_outputs_labels_png_and_overlay(tmp_path):
     assert np.abs(over - _image(30, 40).astype(int)).mean() > 20
 
 
+def _coco_annotations_reference(seg: Segmentation) -> list[dict]:
+    """One mask per region: the direct definition that coco_annotations must equal."""
+    if seg.labels is None:
+        parts = [(None, seg.mask, outputs.FOREGROUND_ID)]
+    else:
+        parts = []
+        for k in np.unique(seg.labels).tolist():
+            fg = bool(seg.foreground[k]) if k < len(seg.foreground) else False
+            parts.append((int(k), seg.labels == k, outputs.FOREGROUND_ID if fg else outputs.BACKGROUND_ID))
+    anns = []
+    for region, m, cat in parts:
+        if not m.any():
+            continue
+        rle = mask_utils.encode(np.asfortranarray(m.astype(np.uint8)))
+        anns.append(outputs._annotation(rle, cat, float(seg.heatmap[m].mean()), region))
+    return anns
+
+
 @pytest.mark.parametrize("case", ["blocks", "noise", "one", "edges", "many"])
 def test_region_annotations_equal_one_mask_per_region(case):
     # the one-pass RLEs and grouped scores equal the direct definition, byte for byte
-    from segment.outputs import _coco_annotations_reference
-
     rng = np.random.default_rng(len(case))
     h, w = 37, 53
     if case == "blocks":
