@@ -131,6 +131,12 @@ class _Timings:
     wait_input_s: float = 0.0  # main thread waiting for decoded images
     extra: dict[str, float] = field(default_factory=dict)
 
+    def rounded(self) -> dict[str, float]:
+        """Every timing (the fields, then ``extra``) in seconds, to 0.1 ms."""
+        out = {k: round(v, 4) for k, v in self.__dict__.items() if isinstance(v, float)}
+        out.update({k: round(v, 4) for k, v in self.extra.items()})
+        return out
+
 
 def config_fingerprint(cfg: DictConfig) -> str:
     """Hash of what decides an image's outputs: the model and method configs (``device``
@@ -360,15 +366,23 @@ class SegmentRun:
                 continue
             item = _Item(file=f, source_bytes=st.st_size, source_mtime_ns=st.st_mtime_ns)
             if not self.overwrite:
-                rec = load_record(self.out, f.name)
-                if record_is_current(rec, self.out, fingerprint=self.fingerprint,
-                                     source_bytes=st.st_size, source_mtime_ns=st.st_mtime_ns):
-                    rec.source_path = str(f.path)  # the input folder may have moved
+                rec = self._current_record(f, st.st_size, st.st_mtime_ns)
+                if rec is not None:
                     self.records[f.name] = rec
                     self.statuses[f.name] = _Status(f.name, f.rel, "resumed")
                     continue
             todo.append(item)
         return todo
+
+    def _current_record(self, f: ImageFile, size: int, mtime_ns: int) -> ImageRecord | None:
+        """``f``'s record on disk if it is current (same settings, same source file, every
+        output present), else ``None``."""
+        rec = load_record(self.out, f.name)
+        if not record_is_current(rec, self.out, fingerprint=self.fingerprint, source_bytes=size,
+                                 source_mtime_ns=mtime_ns):
+            return None
+        rec.source_path = str(f.path)  # the input folder may have moved
+        return rec
 
     def _build(self) -> None:
         if self.ctx.distributed:  # torchrun: cuda:LOCAL_RANK (segment.shard.init)
@@ -571,8 +585,7 @@ class SegmentRun:
             )
             self.gallery = self.out / "index.html"
         proc = self.t.processing_s
-        timings = {k: round(v, 4) for k, v in self.t.__dict__.items() if isinstance(v, float)}
-        timings.update({k: round(v, 4) for k, v in self.t.extra.items()})
+        timings = self.t.rounded()
         if self.ranks:  # torchrun: the slowest rank's processing time
             proc = max(r["timings"].get("processing_s", 0.0) for r in self.ranks)
         timings["images_per_s"] = round(n_new / proc, 3) if proc > 0 and n_new else None

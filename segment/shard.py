@@ -31,7 +31,6 @@ from typing import Any, TypeVar
 from segment.eval import dist
 from segment.eval.dist import DistContext
 from segment.io import InputError
-from segment.outputs import load_record, record_is_current
 from segment.utils import EXIT_INTERRUPTED, EXIT_OK
 
 T = TypeVar("T")
@@ -139,10 +138,8 @@ def finish(run: Any, code: int) -> int:
     from segment.pipeline import _device_info, _Status
 
     ctx = run.ctx
-    timings = {k: round(v, 4) for k, v in run.t.__dict__.items() if isinstance(v, float)}
-    timings.update({k: round(v, 4) for k, v in run.t.extra.items()})
     report = RankReport(
-        rank=ctx.rank, images=len(run.mine), timings=timings, device=_device_info(run.device),
+        rank=ctx.rank, images=len(run.mine), timings=run.t.rounded(), device=_device_info(run.device),
         statuses={n: s.as_dict() for n, s in run.statuses.items()},
         interrupted=run.interrupted, error=run.error,
     )
@@ -160,14 +157,13 @@ def finish(run: Any, code: int) -> int:
         st = run.statuses.get(f.name)
         if f.name in run.records or st is None or st.status == "failed":
             continue
-        rec = load_record(run.out, f.name)
         try:
             stat = f.path.stat()
             size, mtime = stat.st_size, stat.st_mtime_ns
         except OSError:
             size = mtime = -1
-        if record_is_current(rec, run.out, fingerprint=run.fingerprint, source_bytes=size, source_mtime_ns=mtime):
-            rec.source_path = str(f.path)
+        rec = run._current_record(f, size, mtime)
+        if rec is not None:
             run.records[f.name] = rec
         else:
             st.status, st.reason = "failed", (
