@@ -492,7 +492,7 @@ class SelfCheck:
 
     # ------------------------------------------------------------------ ratios
 
-    def measure_ratios(self, spec: dict[str, Any], model) -> None:
+    def measure_ratios(self, spec: dict[str, Any]) -> None:
         """Region stage and whole pipeline against the bare fused forward, on the device."""
         from hydra.utils import instantiate
 
@@ -561,7 +561,7 @@ class SelfCheck:
             self.check_markov(model, x)
             out = self.check_segment(spec)
             self.check_eval(spec, out)
-            self.measure_ratios(spec, model)
+            self.measure_ratios(spec)
         self.log("# regions, FLUX")
         self.check_regions()
         self.check_flux()
