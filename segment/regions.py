@@ -27,6 +27,7 @@ states do not. The stage, all batched in torch (CPU or CUDA unchanged):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -156,7 +157,8 @@ def symmetric_kl(p: Tensor, q: Tensor, eps: float = 1e-8) -> Tensor:
     Returns:
         ``(B, S, T)`` symmetric KL divergences (>= 0).
     """
-    return _symkl(_log_terms(p, eps), _log_terms(q, eps))
+    a = _log_terms(p, eps)
+    return _symkl(a, a if q is p else _log_terms(q, eps))
 
 
 def _log_terms(p: Tensor, eps: float = 1e-8) -> tuple[Tensor, Tensor, Tensor]:
@@ -171,8 +173,11 @@ def _symkl(a: tuple[Tensor, Tensor, Tensor], b: tuple[Tensor, Tensor, Tensor]) -
     pa, la, ea = a
     pb, lb, eb = b
     # KL(a||b) = sum a log a - a log b ; KL(b||a) = sum b log b - b log a
-    ab = ea.unsqueeze(-1) - pa @ lb.transpose(1, 2)
-    ba = eb.unsqueeze(1) - (pb @ la.transpose(1, 2)).transpose(1, 2)
+    cross = pa @ lb.transpose(1, 2)  # (B, S, T): sum_i a_si log b_ti
+    ab = ea.unsqueeze(-1) - cross
+    # of a set with itself the other product is this one transposed (the same numbers)
+    other = cross if a is b else pb @ la.transpose(1, 2)
+    ba = eb.unsqueeze(1) - other.transpose(1, 2)
     return (0.5 * (ab + ba)).clamp_min(0)
 
 
@@ -234,6 +239,7 @@ def merge_proposals(
     iterations: int = 3,
     *,
     dedupe: float = 0.1,
+    kl: Tensor | None = None,
 ) -> Proposals:
     """DiffSeg-style iterative merging of seed distributions.
 
@@ -248,6 +254,8 @@ def merge_proposals(
             a ViT grid are broader and want smaller values).
         iterations: merge rounds (protocol: 3).
         dedupe: duplicates are proposals closer than ``dedupe * tau``.
+        kl: ``symmetric_kl(dist, dist)`` when already at hand (merging the same seeds at
+            another ``tau``): the first round reuses it.
 
     Returns:
         :class:`Proposals`, compacted (valid slots first).
@@ -262,8 +270,9 @@ def merge_proposals(
             props = Proposals(dist=d, valid=valid).compact()
             d, valid = props.dist, props.valid
             s = d.shape[1]
-        terms = _log_terms(d)
-        kl = _symkl(terms, terms)
+        if it or kl is None:
+            terms = _log_terms(d)
+            kl = _symkl(terms, terms)
         pair = valid.unsqueeze(1) & valid.unsqueeze(2)
         near = (kl < tau) & pair
         w = near.to(d.dtype)
@@ -327,8 +336,8 @@ def pixel_chain_refine(
     x = prob.float()
     if x.is_cuda:  # the whole batch at once (the same numbers)
         return _pixel_chain_steps(x, image.float(), offsets, r, sigma_space, sigma_color,
-                                  int(steps))
-    out = torch.zeros_like(x)
+                                  int(steps)).contiguous()
+    out = torch.empty_like(x)
     # a few images at a time (up to _REFINE_PIXELS pixels: their maps stay in cache; one
     # image at 448 px), and only their nonzero maps: the zero slots of a padded batch stay
     # zero under any bounce
@@ -337,6 +346,11 @@ def pixel_chain_refine(
     for i in range(0, x.shape[0], chunk):
         part = x[i: i + chunk]
         live = part.flatten(2).any(2).any(0).nonzero()[:, 0]
+        if live.numel() == x.shape[1]:
+            out[i: i + chunk] = _pixel_chain_steps(part, image[i: i + chunk].float(), offsets, r,
+                                                   sigma_space, sigma_color, int(steps))
+            continue
+        out[i: i + chunk].zero_()
         if live.numel():
             out[i: i + chunk, live] = _pixel_chain_steps(
                 part[:, live], image[i: i + chunk].float(), offsets, r, sigma_space,
@@ -350,11 +364,18 @@ _REFINE_PIXELS = 1 << 18  # pixels per chunk of the CPU pixel chain (measured: 4
 
 def _pixel_chain_steps(x: Tensor, img: Tensor, offsets: list[tuple[int, int]], pad: int,
                        sigma_space: float, sigma_color: float, steps: int) -> Tensor:
-    """``steps`` bounces of :func:`pixel_chain_refine`'s chain on ``(B, K, H, W)`` maps."""
+    """``steps`` bounces of :func:`pixel_chain_refine`'s chain on ``(B, K, H, W)`` maps
+    (returned as a view into a padded buffer)."""
     b, _, h, w = img.shape
     imp = F.pad(img, (pad, pad, pad, pad), mode="replicate")
-    logits = torch.empty(b, len(offsets), h, w, dtype=img.dtype, device=img.device)
+    weights = torch.empty(b, len(offsets), h, w, dtype=img.dtype, device=img.device)
     index = {o: i for i, o in enumerate(offsets)}
+    # the softmax over offsets, its normalisation applied once per bounce to the K maps
+    # instead of to every offset's weight: w_o = exp(logit_o - max), x <- sum_o w_o x_o / sum_o w_o.
+    # With the zero offset in the window the max is its logit, exactly 0 (the others are
+    # <= 0), and w_o = exp(-|o|^2 / 2 sigma_s^2) exp(-col_o / 2 sigma_c^2): one exp per pair
+    # of mirror offsets. Without it the logits are formed, shifted by their max, then exp'd
+    factored = (0, 0) in index
     for dy, dx in offsets:
         mirror = index.get((-dy, -dx))
         if (dy, dx) < (0, 0) and mirror is not None:
@@ -365,21 +386,50 @@ def _pixel_chain_steps(x: Tensor, img: Tensor, offsets: list[tuple[int, int]], p
         y0, x0 = pad - max(dy, 0), pad - max(dx, 0)
         y1, x1 = pad + h + max(-dy, 0), pad + w + max(-dx, 0)
         col = ((imp[:, :, y0 + dy: y1 + dy, x0 + dx: x1 + dx] - imp[:, :, y0:y1, x0:x1]) ** 2).sum(1)
+        col.mul_(-1.0 / (2 * sigma_color**2))
+        if factored:
+            col.exp_()
         pairs = [((dy, dx), max(dy, 0), max(dx, 0))]
         if mirror is not None and (dy, dx) != (0, 0):
             pairs.append(((-dy, -dx), max(-dy, 0), max(-dx, 0)))
         for (ey, ex), top, left in pairs:
-            out = logits[:, index[(ey, ex)]]  # -|o|^2 / 2 sigma_s^2 - col / 2 sigma_c^2
-            torch.div(col[:, top: top + h, left: left + w], -(2 * sigma_color**2), out=out)
-            out.add_(-(ey * ey + ex * ex) / (2 * sigma_space**2))
-    weights = torch.softmax(logits, dim=1)  # (B, O, H, W)
+            out = weights[:, index[(ey, ex)]]
+            space = -(ey * ey + ex * ex) / (2 * sigma_space**2)
+            if factored:
+                torch.mul(col[:, top: top + h, left: left + w], math.exp(space), out=out)
+            else:
+                torch.add(col[:, top: top + h, left: left + w], space, out=out)
+    if not factored:
+        weights.sub_(weights.amax(1, keepdim=True)).exp_()
+    norm = weights.sum(1, keepdim=True)  # (B, 1, H, W), >= 1
+    k = x.shape[1]
+    xp = torch.empty(b, k, h + 2 * pad, w + 2 * pad, dtype=x.dtype, device=x.device)
+    inner = xp[:, :, pad: pad + h, pad: pad + w]
+    inner.copy_(x)
+    acc = torch.empty_like(x)
     for _ in range(steps):
-        xp = F.pad(x, (pad, pad, pad, pad), mode="replicate")
-        acc = torch.zeros_like(x)
+        _replicate_border(xp, pad)
         for o, (dy, dx) in enumerate(offsets):
-            acc.addcmul_(xp[:, :, pad + dy: pad + dy + h, pad + dx: pad + dx + w], weights[:, o: o + 1])
-        x = acc
-    return x
+            shifted = xp[:, :, pad + dy: pad + dy + h, pad + dx: pad + dx + w]
+            if o == 0:
+                torch.mul(shifted, weights[:, :1], out=acc)
+            else:
+                acc.addcmul_(shifted, weights[:, o: o + 1])
+        torch.div(acc, norm, out=inner)  # the next bounce reads it in place
+    return inner
+
+
+def _replicate_border(xp: Tensor, pad: int) -> None:
+    """Fill the ``pad``-wide frame of ``(..., H + 2 pad, W + 2 pad)`` from its interior, as
+    ``F.pad(mode="replicate")`` of the interior would."""
+    if pad <= 0:
+        return
+    h, w = xp.shape[-2] - 2 * pad, xp.shape[-1] - 2 * pad
+    rows = xp[..., pad: pad + h, :]
+    rows[..., :pad].copy_(rows[..., pad: pad + 1].expand_as(rows[..., :pad]))
+    rows[..., pad + w:].copy_(rows[..., pad + w - 1: pad + w].expand_as(rows[..., pad + w:]))
+    xp[..., :pad, :].copy_(xp[..., pad: pad + 1, :].expand_as(xp[..., :pad, :]))
+    xp[..., pad + h:, :].copy_(xp[..., pad + h - 1: pad + h, :].expand_as(xp[..., pad + h:, :]))
 
 
 def connected_regions(labels: Tensor, min_area: int = 0) -> Tensor:

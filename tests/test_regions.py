@@ -700,3 +700,19 @@ def test_pixel_chain_refine_matches_a_float64_reference(radius, dilation):
     want = _refine_reference(prob, image, radius, dilation, 4.0, 0.2, 2)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     assert torch.count_nonzero(got[1, 3]) == 0
+
+
+@pytest.mark.parametrize("radius,dilation", [(3, 1), (3, 2)])  # with and without the zero offset
+def test_pixel_chain_refine_survives_colour_weights_that_underflow(radius, dilation):
+    # one-pixel stripes at sigma_color 0.01: exp(-|dI|^2 / 2 sigma^2) is 0 in float32 for
+    # every neighbour of the other colour (with dilation 2, every neighbour in the window);
+    # the normalisation must still hold (no 0 / 0)
+    xx = torch.arange(24).expand(20, 24)
+    image = (xx % 2).float().expand(1, 3, 20, 24).contiguous()
+    prob = torch.softmax(torch.randn(1, 3, 20, 24, generator=torch.Generator().manual_seed(0)), 1)
+    out = rg.pixel_chain_refine(prob, image, radius=radius, dilation=dilation, sigma_color=0.01,
+                                steps=3)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.sum(1), torch.ones(1, 20, 24))
+    want = _refine_reference(prob, image, radius, dilation, 5.0, 0.01, 3)
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
