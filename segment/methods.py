@@ -375,10 +375,15 @@ class ClsAttention(Method):
 
     name: str = "cls_attention"
 
+    def _fused(self, attn: Tensor, layout: TokenLayout) -> Tensor:
+        if self.heads == "mean":  # the mean of the heads' rows, not of their whole chains
+            return _as_compute(attn)
+        return super()._fused(attn, layout)
+
     def _heat(self, attn: Tensor, record: AttentionRecord) -> Tensor:
         s = start_distribution(record, attn.shape[-1], attn.dtype, attn.device)
-        rows = torch.einsum("bn,bhnm->bhm", s, attn)  # (B, 1, N)
-        return _grid_part(rows[:, 0], record.layout)
+        rows = (s[:, None, None, :] @ attn)[:, :, 0]  # (B, H', N), H' = 1 unless heads=mean
+        return _grid_part(rows.mean(1), record.layout)
 
 
 @dataclass
@@ -835,7 +840,8 @@ class RegionGrow(Method):
             seeds = rg.tokenrank_seeds(rank, (h, w), min(int(self.num_seeds), n),
                                        int(self.seed_radius))
         dist = rg.propagate(chain, seeds, int(self.steps))  # (B, S, n)
-        props = rg.merge_proposals(dist, float(self.tau), int(self.iterations))
+        kl = rg.symmetric_kl(dist, dist)  # the first round of both merges (tau, label_tau)
+        props = rg.merge_proposals(dist, float(self.tau), int(self.iterations), kl=kl)
         grid_prob = rg.soft_assign(props).view(b, -1, h, w)  # (B, K, h, w)
         kp = grid_prob.shape[1]
         cls = self.score_map(record)  # (B, h, w) foreground score on the grid
@@ -876,7 +882,7 @@ class RegionGrow(Method):
         present.scatter_(1, labels.flatten(1), True)
         foreground &= present
         # heatmap (AP): every pixel's expected proposal score under the soft assignment
-        heat = torch.einsum("bkhw,bk->bhw", prob, prop_score.to(prob))
+        heat = torch.bmm(prop_score.to(prob).unsqueeze(1), prob.flatten(2)).view_as(cls_img)
         fg_px = torch.gather(foreground, 1, labels.flatten(1))
         if self.heat == "blend":  # rank by the mask, then by the scores inside it
             heat = (minmax(heat) + minmax(cls_img.to(heat)) + fg_px.view_as(heat).to(heat)) / 3
@@ -895,10 +901,10 @@ class RegionGrow(Method):
             two[:, 1] = True
             foreground = torch.where(flat.view(b, 1), two, foreground)
         if self.label_tau is not None and float(self.label_tau) < float(self.tau):
-            labels, foreground = self._finer_regions(dist, labels, foreground, (h, w))
+            labels, foreground = self._finer_regions(dist, kl, labels, foreground, (h, w))
         return MethodOutput(heatmap=heat, labels=labels, foreground=foreground)
 
-    def _finer_regions(self, dist: Tensor, labels: Tensor, foreground: Tensor,
+    def _finer_regions(self, dist: Tensor, kl: Tensor, labels: Tensor, foreground: Tensor,
                        grid: tuple[int, int]) -> tuple[Tensor, Tensor]:
         """The regions of ``label_tau`` (finer than ``tau``), split along the mask.
 
@@ -915,10 +921,12 @@ class RegionGrow(Method):
         from segment import regions as rg
 
         b, size = labels.shape[0], tuple(labels.shape[-2:])
-        fine = rg.merge_proposals(dist, float(self.label_tau), int(self.iterations))
+        fine = rg.merge_proposals(dist, float(self.label_tau), int(self.iterations), kl=kl)
         grid_prob = rg.soft_assign(fine).view(b, -1, *grid)
         mask = torch.gather(foreground, 1, labels.flatten(1)).view_as(labels)
-        # every pixel's most likely proposal; one image at a time on the CPU (in cache)
+        # every pixel's most likely proposal; one image at a time on the CPU (in cache), the
+        # proposals innermost (channels last: a contiguous max, 3x faster than over planes)
+        grid_prob = grid_prob.contiguous(memory_format=torch.channels_last)
         hard = torch.cat([
             F.interpolate(part, size=size, mode="bilinear", align_corners=False).max(1).indices
             for part in (grid_prob.split(1) if not grid_prob.is_cuda else [grid_prob])
