@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from segment import markov
+from segment.allocator import tune_allocator
 
 _SIZES = {257: 224, 1025: 448, 4097: 896, 256: 224, 1024: 448, 4096: 896}
 
@@ -274,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(__doc__)
         return
     what, rest = argv[0], argv[1:]
+    tune_allocator()  # as segment and segment-eval do: both sides of every ratio run with it
     if what == "markov":
         bench_markov(rest)
     elif what == "regions":

@@ -38,6 +38,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from segment.allocator import tune_allocator
+
 EXIT_BAD_INPUT = 2  # = segment.utils.EXIT_BAD_INPUT (not imported: that module loads torch)
 EXIT_INTERRUPTED = 130
 
@@ -263,6 +265,7 @@ def cleanup(plan: Plan) -> None:
 def run_command(command: str, config_name: str, hydra_main: Callable[[], Any], groups: Sequence[str],
                 argv: Sequence[str] | None = None) -> int:
     """Pre-check, run the ``@hydra.main`` function, map its outcome to an exit code."""
+    tune_allocator()
     args = list(sys.argv[1:] if argv is None else argv)
     plan = Plan()
     flags = [a for a in args if a.startswith("-") and not a.startswith("~")]
