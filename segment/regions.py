@@ -278,10 +278,14 @@ def merge_proposals(
         w = near.to(d.dtype)
         d = (w @ d) / w.sum(-1, keepdim=True).clamp_min(1)
         lab = _leaders(d, valid, dedupe * tau)  # representative = the leader slot
-        onehot = (lab.unsqueeze(-1) == torch.arange(s, device=d.device)).to(d.dtype)  # (B, S, S)
-        onehot = onehot * valid.unsqueeze(-1).to(d.dtype)
-        counts = onehot.sum(1)  # (B, S): members per representative slot
-        d = (onehot.transpose(1, 2) @ d) / counts.clamp_min(1).unsqueeze(-1)
+        # every valid member added into its leader's slot (flat over the batch)
+        slot = (lab + s * torch.arange(b, device=d.device).unsqueeze(1)).flatten()
+        member = valid.flatten()
+        counts = torch.zeros(b * s, dtype=d.dtype, device=d.device)
+        counts.index_add_(0, slot[member], torch.ones_like(slot[member], dtype=d.dtype))
+        d = torch.zeros_like(d).view(b * s, n).index_add_(0, slot[member], d.reshape(b * s, n)[member])
+        d = (d / counts.clamp_min(1).unsqueeze(-1)).view(b, s, n)
+        counts = counts.view(b, s)  # members per representative slot
         valid = counts > 0
         d = d * valid.unsqueeze(-1).to(d.dtype)
     return Proposals(dist=d, valid=valid).compact()
@@ -358,6 +362,9 @@ def pixel_chain_refine(
     return out
 
 
+# weights under exp(-80) ~ 2e-35 (next to a normaliser >= 1) are set to 0 rather than left to
+# underflow into subnormal floats, whose arithmetic is ~10x slower on x86 CPUs
+_LOG_TINY = -80.0
 _REFINE_PIXELS = 1 << 18  # pixels per chunk of the CPU pixel chain (measured: 4 x 224^2
 # together are ~15% faster than one by one; a 448^2 image alone is ~1.7x faster than 4)
 
@@ -388,7 +395,7 @@ def _pixel_chain_steps(x: Tensor, img: Tensor, offsets: list[tuple[int, int]], p
         col = ((imp[:, :, y0 + dy: y1 + dy, x0 + dx: x1 + dx] - imp[:, :, y0:y1, x0:x1]) ** 2).sum(1)
         col.mul_(-1.0 / (2 * sigma_color**2))
         if factored:
-            col.exp_()
+            col.masked_fill_(col < _LOG_TINY, -math.inf).exp_()
         pairs = [((dy, dx), max(dy, 0), max(dx, 0))]
         if mirror is not None and (dy, dx) != (0, 0):
             pairs.append(((-dy, -dx), max(-dy, 0), max(-dx, 0)))
@@ -400,7 +407,8 @@ def _pixel_chain_steps(x: Tensor, img: Tensor, offsets: list[tuple[int, int]], p
             else:
                 torch.add(col[:, top: top + h, left: left + w], space, out=out)
     if not factored:
-        weights.sub_(weights.amax(1, keepdim=True)).exp_()
+        weights.sub_(weights.amax(1, keepdim=True))
+        weights.masked_fill_(weights < _LOG_TINY, -math.inf).exp_()
     norm = weights.sum(1, keepdim=True)  # (B, 1, H, W), >= 1
     k = x.shape[1]
     xp = torch.empty(b, k, h + 2 * pad, w + 2 * pad, dtype=x.dtype, device=x.device)
@@ -449,23 +457,58 @@ def connected_regions(labels: Tensor, min_area: int = 0) -> Tensor:
     """
     if labels.dim() != 3:
         raise ValueError(f"labels must be (B, H, W), got {tuple(labels.shape)}")
-    if labels.is_cuda:
-        comp = _components_cuda(labels)
-    else:
-        comp = _components_cpu(labels)
+    if not labels.is_cuda:  # numpy, image by image: the same labels as the torch path
+        lab = labels.detach().numpy()
+        out = np.stack([_regions_cpu(lab[i], int(min_area)) for i in range(lab.shape[0])])
+        return torch.from_numpy(out)
+    return _connected_regions_torch(labels, min_area)
+
+
+def _connected_regions_torch(labels: Tensor, min_area: int = 0) -> Tensor:
+    """:func:`connected_regions` batched in torch (the CUDA path; on the CPU, its reference)."""
+    comp = _components_cuda(labels)
     if min_area > 0:
         comp = _absorb_small(comp, int(min_area))
     return relabel(comp)
 
 
-def _components_cpu(labels: Tensor) -> Tensor:
-    """8-connected components of equal labels, one pass per image (scikit-image)."""
+def _regions_cpu(lab: np.ndarray, min_area: int) -> np.ndarray:
+    """:func:`connected_regions` of one ``(H, W)`` label map in numpy.
+
+    scikit-image numbers the components ``1 .. m`` in the raster order of their first pixel,
+    so a stable sort by label value gives :func:`_number_components`' order. Specks are
+    absorbed as :func:`_absorb_small` does: the kept components, ranked by (area, id), grow
+    into them (:func:`_grow_into_cpu`); the ids left are renumbered ``0 .. K - 1`` in order.
+    """
     from skimage.measure import label as components
 
-    lab = labels.detach().cpu().numpy().astype(np.int64)
-    lab -= lab.min()  # >= 0: no value is scikit-image's background (-1)
-    cc = np.stack([components(lab[i], background=-1, connectivity=2) for i in range(lab.shape[0])])
-    return _number_components(torch.from_numpy(cc), torch.from_numpy(lab)).to(labels.device)
+    cc, m = components(lab, background=int(lab.min()) - 1, connectivity=2, return_num=True)
+    flat = cc.ravel()
+    value = np.empty(m + 1, dtype=np.int64)
+    value[flat] = lab.ravel()
+    rank = np.empty(m, dtype=np.int64)
+    rank[np.argsort(value[1:], kind="stable")] = np.arange(m)
+    comp = rank[flat - 1]  # numbered by value, then first pixel
+    if min_area <= 0:
+        return comp.reshape(lab.shape)
+    area = np.bincount(comp, minlength=m)
+    small = area < min_area
+    if not small.any() or small.all():  # nothing to absorb / only specks: all kept
+        return comp.reshape(lab.shape)
+    order = np.lexsort((np.arange(m), area))  # by area, then id: a tie joins the largest
+    by_area = np.empty(m, dtype=np.int64)
+    by_area[order] = np.arange(m)
+    cur = np.where(small[comp], -1, by_area[comp]).reshape(1, *lab.shape)
+    grown = order[_grow_into_cpu(cur)[0]]  # back to the component ids
+    kept = np.zeros(m, dtype=np.int64)
+    kept[~small] = 1
+    return (np.cumsum(kept) - 1)[grown]
+
+
+def _components_cpu(labels: Tensor) -> Tensor:
+    """8-connected components of equal labels numbered ``0 .. n_b - 1`` per image by (label
+    value, first pixel): :func:`connected_regions` without absorption (scikit-image)."""
+    return connected_regions(labels.cpu(), 0).to(labels.device)
 
 
 def _components_cuda(labels: Tensor) -> Tensor:
@@ -515,8 +558,9 @@ def _absorb_small(labels: Tensor, min_area: int) -> Tensor:
 
     The kept regions grow into the removed pixels one 8-neighbourhood step at a time (a
     max-pool of the ids ranked by area), so every removed pixel ends up with the label of
-    the nearest kept region, the largest of them on a tie; batched on the GPU, hole pixels
-    only on the CPU (the same labels). An image whose components are all small keeps them.
+    the nearest kept region, the largest of them on a tie (batched in torch; the CPU path
+    :func:`_regions_cpu` grows hole pixels only, to the same labels). An image whose
+    components are all small keeps them.
     """
     lab = relabel(labels)
     b, h, w = lab.shape
@@ -535,21 +579,18 @@ def _absorb_small(labels: Tensor, min_area: int) -> Tensor:
     rank = torch.empty_like(order).scatter_(1, order, ranks)
     cur = torch.where(tiny, torch.full_like(lab, -1),
                       torch.gather(rank, 1, lab.flatten(1)).view_as(lab))
-    if not cur.is_cuda:
-        cur = _grow_into_cpu(cur)
-    else:
-        for _ in range(h + w):
-            missing = cur < 0
-            if not bool(missing.any()):
-                break
-            grown = F.max_pool2d((cur + 1).float().unsqueeze(1), 3, stride=1, padding=1)
-            grown = grown.squeeze(1).long() - 1
-            cur = torch.where(missing & (grown >= 0), grown, cur)
+    for _ in range(h + w):
+        missing = cur < 0
+        if not bool(missing.any()):
+            break
+        grown = F.max_pool2d((cur + 1).float().unsqueeze(1), 3, stride=1, padding=1)
+        grown = grown.squeeze(1).long() - 1
+        cur = torch.where(missing & (grown >= 0), grown, cur)
     return torch.gather(order, 1, cur.flatten(1).clamp_min(0)).view_as(cur)  # back to the ids
 
 
-def _grow_into_cpu(cur: Tensor) -> Tensor:
-    """:func:`_absorb_small`'s growth on the CPU: the same labels, visiting only the holes.
+def _grow_into_cpu(cur: np.ndarray) -> np.ndarray:
+    """:func:`_absorb_small`'s growth in numpy: the same labels, visiting only the holes.
 
     Every step, each unfilled pixel takes the largest label id among its 8 neighbours (as
     the max-pool does), all at once; only the hole pixels are gathered, so a step costs
@@ -557,11 +598,11 @@ def _grow_into_cpu(cur: Tensor) -> Tensor:
     """
     b, h, w = cur.shape
     grid = np.zeros((b, h + 2, w + 2), dtype=np.int64)  # ids + 1; 0 = none (border, holes)
-    grid[:, 1:-1, 1:-1] = cur.numpy() + 1
+    grid[:, 1:-1, 1:-1] = cur + 1
     flat = grid.reshape(-1)
     row = w + 2
     around = np.array([-row - 1, -row, -row + 1, -1, 1, row - 1, row, row + 1])
-    todo = np.flatnonzero(np.pad(cur.numpy() < 0, ((0, 0), (1, 1), (1, 1))))
+    todo = np.flatnonzero(np.pad(cur < 0, ((0, 0), (1, 1), (1, 1))))
     while todo.size:
         grown = flat[todo[:, None] + around].max(1)
         fill = grown > 0
@@ -569,7 +610,7 @@ def _grow_into_cpu(cur: Tensor) -> Tensor:
             break
         flat[todo[fill]] = grown[fill]
         todo = todo[~fill]
-    return torch.from_numpy(grid[:, 1:-1, 1:-1] - 1)
+    return grid[:, 1:-1, 1:-1] - 1
 
 
 def region_scores(labels: Tensor, score: Tensor, num: int | None = None) -> Tensor:

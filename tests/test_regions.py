@@ -645,7 +645,7 @@ def test_speck_growth_on_the_cpu_equals_the_max_pool_growth():
         holes = torch.rand(b, h, w, generator=g) < 0.4  # thin specks and wide holes
         cur = torch.where(holes, -1, lab)
         cur[:, 0, 0] = 3  # every image keeps a label
-        assert torch.equal(rg._grow_into_cpu(cur), _maxpool_growth(cur))
+        assert torch.equal(torch.from_numpy(rg._grow_into_cpu(cur.numpy())), _maxpool_growth(cur))
 
 
 def test_components_are_numbered_by_value_then_first_pixel_on_both_paths():
@@ -666,6 +666,20 @@ def test_components_are_numbered_by_value_then_first_pixel_on_both_paths():
         grid = torch.randn(2, 5, 4, 6, generator=g)
         hard = torch.nn.functional.interpolate(grid, size=(23, 31), mode="bilinear").max(1).indices
         assert torch.equal(rg._components_cpu(hard * 3 + 1), rg._components_cuda(hard * 3 + 1))
+
+
+@pytest.mark.parametrize("min_area", [0, 3, 12, 40])
+def test_connected_regions_on_the_cpu_equal_the_batched_torch_path(min_area):
+    # numpy image by image (scikit-image, hole growth) vs the CUDA path's torch code (kornia's
+    # union-find, max-pool growth) run on the CPU: the same labels, ids included
+    g = torch.Generator().manual_seed(min_area)
+    for _ in range(15):
+        grid = torch.randn(3, 6, 5, 7, generator=g)
+        hard = torch.nn.functional.interpolate(grid, size=(27, 33), mode="bilinear").max(1).indices
+        hard[1] = hard[1] % 2  # fewer, larger regions in one image
+        hard[2, :, :] = 4  # one region
+        got = rg.connected_regions(hard * 2 - 3, min_area=min_area)
+        assert torch.equal(got, rg._connected_regions_torch(hard * 2 - 3, min_area=min_area))
 
 
 def _refine_reference(prob, image, radius, dilation, sigma_space, sigma_color, steps):
