@@ -668,6 +668,33 @@ def test_components_are_numbered_by_value_then_first_pixel_on_both_paths():
         assert torch.equal(rg._components_cpu(hard * 3 + 1), rg._components_cuda(hard * 3 + 1))
 
 
+def _greedy_leaders(near, valid):
+    """Leader clustering written out: the first free valid slot leads and takes every free
+    valid slot near it, until none is free."""
+    lab = list(range(len(valid)))
+    free = list(valid)
+    while any(free):
+        lead = free.index(True)
+        for j in range(len(valid)):
+            if free[j] and (j == lead or near[lead][j]):
+                lab[j], free[j] = lead, False
+    return lab
+
+
+def test_leaders_follow_the_greedy_sweep():
+    g = torch.Generator().manual_seed(3)
+    for trial in range(40):
+        b, s, n = 3, int(torch.randint(2, 30, (1,), generator=g)), 6
+        dist = torch.softmax(torch.randn(b, s, n, generator=g) * (1 + trial % 4), -1)
+        dist[:, s // 2] = dist[:, 0]  # exact duplicates
+        valid = torch.rand(b, s, generator=g) < 0.8
+        threshold = float(torch.rand(1, generator=g)) * 0.5
+        got = rg._leaders(dist, valid, threshold)
+        near = (rg.symmetric_kl(dist, dist) < threshold).tolist()
+        for i in range(b):
+            assert got[i].tolist() == _greedy_leaders(near[i], valid[i].tolist())
+
+
 @pytest.mark.parametrize("min_area", [0, 3, 12, 40])
 def test_connected_regions_on_the_cpu_equal_the_batched_torch_path(min_area):
     # numpy image by image (scikit-image, hole growth) vs the CUDA path's torch code (kornia's
