@@ -858,6 +858,7 @@ class RegionGrow(Method):
                 prob, record.pixels.to(prob.device), radius=int(self.refine_radius),
                 dilation=int(self.refine_dilation), sigma_space=float(self.sigma_space),
                 sigma_color=float(self.sigma_color), steps=int(self.refine_steps),
+                nonzero=grid_prob.flatten(2).any(2),  # bilinear upsampling keeps zero maps zero
             )
         hard = prob.max(1).indices  # (B, H, W) proposal of every pixel (max: faster than argmax)
         if self.connectivity:

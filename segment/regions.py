@@ -310,6 +310,7 @@ def pixel_chain_refine(
     sigma_space: float = 5.0,
     sigma_color: float = 0.08,
     steps: int = 3,
+    nonzero: Tensor | None = None,
 ) -> Tensor:
     """A few bounces of an edge-aware pixel chain (joint bilateral random walk).
 
@@ -325,6 +326,9 @@ def pixel_chain_refine(
         radius, dilation: window half-size and sampling step in pixels.
         sigma_space: spatial bandwidth in pixels; sigma_color: colour bandwidth.
         steps: bounces on the pixel chain (0 = no refinement).
+        nonzero: ``(B, K)`` which maps hold any nonzero value, when the caller knows (e.g.
+            from the grid the maps were upsampled from); else found by a pass over them.
+            The zero maps stay zero under any bounce and are skipped.
 
     Returns:
         ``(B, K, H, W)`` refined maps (convex combinations of the inputs).
@@ -349,7 +353,8 @@ def pixel_chain_refine(
     chunk = max(1, _REFINE_PIXELS // (h * w))
     for i in range(0, x.shape[0], chunk):
         part = x[i: i + chunk]
-        live = part.flatten(2).any(2).any(0).nonzero()[:, 0]
+        known = nonzero[i: i + chunk] if nonzero is not None else part.flatten(2).any(2)
+        live = known.any(0).nonzero()[:, 0]
         if live.numel() == x.shape[1]:
             out[i: i + chunk] = _pixel_chain_steps(part, image[i: i + chunk].float(), offsets, r,
                                                    sigma_space, sigma_color, int(steps))

@@ -741,6 +741,9 @@ def test_pixel_chain_refine_matches_a_float64_reference(radius, dilation):
     want = _refine_reference(prob, image, radius, dilation, 4.0, 0.2, 2)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     assert torch.count_nonzero(got[1, 3]) == 0
+    told = rg.pixel_chain_refine(prob, image, radius=radius, dilation=dilation, sigma_space=4.0,
+                                 sigma_color=0.2, steps=2, nonzero=prob.flatten(2).any(2))
+    assert torch.equal(told, got)  # the caller's nonzero maps: the same result
 
 
 @pytest.mark.parametrize("radius,dilation", [(3, 1), (3, 2)])  # with and without the zero offset
