@@ -380,6 +380,7 @@ def test_pipeline_benchmark_runs(tmp_path):
     assert res["images"] == 5 and res["model"] == "vit_tiny_random"
     assert res["bare_forward_median"] > 0 and res["pipeline_median"] > 0
     assert res["ratio"] == pytest.approx(res["pipeline_median"] / res["bare_forward_median"], rel=1e-2)
+    assert res["round_ratios"] == [res["ratio"]]  # one round: its own ratio
     assert res["pipeline_timings"][0]["model_s"] > 0
     assert set(res["stages_cpu_ms_per_image"]) == {"read_preprocess", "bare_forward", "extract_method",
                                                     "postprocess_write"}
