@@ -118,13 +118,14 @@ def require_dir(path: str | os.PathLike, what: str) -> Path:
 
 
 def open_image(path: str | os.PathLike, what: str = "an image") -> Image.Image:
-    """Open and fully decode an image file, with a clear error for missing/corrupt files."""
+    """Open and fully decode an image file, with a clear error for missing/corrupt files
+    (:class:`DataError` for a file Pillow cannot decode)."""
     p = require_file(path, what)
     try:
         im = Image.open(p)
         im.load()
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        raise ValueError(f"{p}: expected {what} that Pillow can decode ({e})") from e
+        raise DataError(f"{p}: expected {what} that Pillow can decode ({e})") from e
     return im
 
 

@@ -172,6 +172,20 @@ def test_folder_16bit_masks(tmp_path):
     np.testing.assert_array_equal(ds[0].target, [[False, True], [False, True]])
 
 
+def test_a_truncated_file_is_a_data_error_naming_it(folder):
+    from segment.datasets.base import DataError
+
+    root, _ = folder
+    whole = (root / "masks" / "a.png").read_bytes()
+    (root / "masks" / "a.png").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(DataError, match=r"masks/a\.png: expected a mask image .* Pillow can decode"):
+        FolderPairs(root, size=(16, 16))[0]
+    whole = (root / "images" / "b.png").read_bytes()
+    (root / "images" / "b.png").write_bytes(whole[:40])
+    with pytest.raises(DataError, match=r"images/b\.png: expected an RGB image"):
+        FolderPairs(root, size=(16, 16))[1]
+
+
 def test_folder_errors(folder, tmp_path):
     root, _ = folder
     with pytest.raises(FileNotFoundError, match="masks"):
