@@ -28,6 +28,9 @@ states do not. The stage, all batched in torch (CPU or CUDA unchanged):
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -464,9 +467,25 @@ def connected_regions(labels: Tensor, min_area: int = 0) -> Tensor:
         raise ValueError(f"labels must be (B, H, W), got {tuple(labels.shape)}")
     if not labels.is_cuda:  # numpy, image by image: the same labels as the torch path
         lab = labels.detach().numpy()
-        out = np.stack([_regions_cpu(lab[i], int(min_area)) for i in range(lab.shape[0])])
-        return torch.from_numpy(out)
+        out = _map_images(lambda i: _regions_cpu(lab[i], int(min_area)), lab.shape[0])
+        return torch.from_numpy(np.stack(out))
     return _connected_regions_torch(labels, min_area)
+
+
+_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (pid, threads): none across a fork
+
+
+def _map_images(fn: Callable[[int], np.ndarray], n: int) -> list[np.ndarray]:
+    """``[fn(0), ..., fn(n - 1)]`` on torch's intra-op thread count (numpy and scikit-image
+    release the GIL, so the images of a batch run side by side as torch's own ops do)."""
+    threads = min(n, torch.get_num_threads())
+    if threads <= 1:
+        return [fn(i) for i in range(n)]
+    key = (os.getpid(), threads)
+    pool = _POOLS.get(key)
+    if pool is None:
+        pool = _POOLS[key] = ThreadPoolExecutor(threads, thread_name_prefix="segment-regions")
+    return list(pool.map(fn, range(n)))
 
 
 def _connected_regions_torch(labels: Tensor, min_area: int = 0) -> Tensor:

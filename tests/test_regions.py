@@ -707,6 +707,14 @@ def test_connected_regions_on_the_cpu_equal_the_batched_torch_path(min_area):
         hard[2, :, :] = 4  # one region
         got = rg.connected_regions(hard * 2 - 3, min_area=min_area)
         assert torch.equal(got, rg._connected_regions_torch(hard * 2 - 3, min_area=min_area))
+    threads = torch.get_num_threads()
+    try:  # the images of a batch one after the other, or side by side on a thread pool
+        torch.set_num_threads(1)
+        one = rg.connected_regions(hard * 2 - 3, min_area=min_area)
+        torch.set_num_threads(3)
+        assert torch.equal(rg.connected_regions(hard * 2 - 3, min_area=min_area), one)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _refine_reference(prob, image, radius, dilation, sigma_space, sigma_color, steps):
