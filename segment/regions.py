@@ -466,9 +466,9 @@ def connected_regions(labels: Tensor, min_area: int = 0) -> Tensor:
     if labels.dim() != 3:
         raise ValueError(f"labels must be (B, H, W), got {tuple(labels.shape)}")
     if not labels.is_cuda:  # numpy, image by image: the same labels as the torch path
-        lab = labels.detach().numpy()
+        lab = labels.detach().cpu().numpy()
         out = _map_images(lambda i: _regions_cpu(lab[i], int(min_area)), lab.shape[0])
-        return torch.from_numpy(np.stack(out))
+        return torch.from_numpy(np.stack(out)).to(labels.device)
     return _connected_regions_torch(labels, min_area)
 
 
