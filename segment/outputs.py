@@ -398,7 +398,7 @@ def coco_annotations(seg: Segmentation) -> list[dict[str, Any]]:
         fg = bool(seg.foreground[k]) if k < len(seg.foreground) else False
         score = float(heat[pix[j]: pix[j + 1]].mean())
         anns.append(_annotation(rles[j], FOREGROUND_ID if fg else BACKGROUND_ID, score, int(k),
-                                area=int(areas[j]), bbox=[float(v) for v in boxes[j]]))
+                                area=areas[j], bbox=boxes[j]))
     return anns
 
 

@@ -282,14 +282,12 @@ def merge_proposals(
         d = (w @ d) / w.sum(-1, keepdim=True).clamp_min(1)
         lab = _leaders(d, valid, dedupe * tau)  # representative = the leader slot
         # every valid member added into its leader's slot (flat over the batch)
-        slot = (lab + s * torch.arange(b, device=d.device).unsqueeze(1)).flatten()
         member = valid.flatten()
-        counts = torch.zeros(b * s, dtype=d.dtype, device=d.device)
-        counts.index_add_(0, slot[member], torch.ones_like(slot[member], dtype=d.dtype))
-        d = torch.zeros_like(d).view(b * s, n).index_add_(0, slot[member], d.reshape(b * s, n)[member])
+        slot = (lab + s * torch.arange(b, device=d.device).unsqueeze(1)).flatten()[member]
+        counts = torch.bincount(slot, minlength=b * s).to(d.dtype)  # members per leader slot
+        d = torch.zeros_like(d).view(b * s, n).index_add_(0, slot, d.reshape(b * s, n)[member])
         d = (d / counts.clamp_min(1).unsqueeze(-1)).view(b, s, n)
-        counts = counts.view(b, s)  # members per representative slot
-        valid = counts > 0
+        valid = (counts > 0).view(b, s)
         d = d * valid.unsqueeze(-1).to(d.dtype)
     return Proposals(dist=d, valid=valid).compact()
 
@@ -357,16 +355,16 @@ def pixel_chain_refine(
     for i in range(0, x.shape[0], chunk):
         part = x[i: i + chunk]
         known = nonzero[i: i + chunk] if nonzero is not None else part.flatten(2).any(2)
-        live = known.any(0).nonzero()[:, 0]
+        live: Tensor | slice = known.any(0).nonzero()[:, 0]
         if live.numel() == x.shape[1]:
-            out[i: i + chunk] = _pixel_chain_steps(part, image[i: i + chunk].float(), offsets, r,
-                                                   sigma_space, sigma_color, int(steps))
-            continue
-        out[i: i + chunk].zero_()
-        if live.numel():
-            out[i: i + chunk, live] = _pixel_chain_steps(
-                part[:, live], image[i: i + chunk].float(), offsets, r, sigma_space,
-                sigma_color, int(steps))
+            live = slice(None)  # every map: views, no gather
+        else:
+            out[i: i + chunk].zero_()
+            if not live.numel():
+                continue
+        out[i: i + chunk, live] = _pixel_chain_steps(
+            part[:, live], image[i: i + chunk].float(), offsets, r, sigma_space, sigma_color,
+            int(steps))
     return out
 
 
