@@ -689,6 +689,12 @@ def _top_ritz(basis: Tensor, images: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return theta, vecs, r
 
 
+def _top_modulus(basis: Tensor, images: Tensor) -> Tensor:
+    """Largest Ritz modulus on row space ``basis`` (values only, no eigenvectors)."""
+    g = torch.bmm(images.double(), basis.double().transpose(1, 2))
+    return torch.linalg.eigvals(g).abs().amax(-1)
+
+
 def _lambda2_krylov(
     x: Tensor, *, tol: float, block: int, passes: int, max_cycles: int, seed: int
 ) -> Lambda2Result:
@@ -716,21 +722,21 @@ def _lambda2_krylov(
 
     active = torch.arange(m, device=dev)
     mats = x
-    start = _orth_rows(torch.randn(m, b, n, generator=gen, dtype=dt).to(dev), None, gen)
-    start_img = torch.bmm(start, mats)
+    d = s * b
+    # the basis rows and their images live in two preallocated buffers (no concatenation)
+    basis = torch.empty(m, d, n, dtype=dt, device=dev)
+    images = torch.empty(m, d, n, dtype=dt, device=dev)
+    basis[:, :b] = _orth_rows(torch.randn(m, b, n, generator=gen, dtype=dt).to(dev), None, gen)
+    torch.bmm(basis[:, :b], mats, out=images[:, :b])
     for cycle in range(max_cycles):
-        rows, imgs = [start], [start_img]
-        for _ in range(s - 1):
-            z = _orth_rows(imgs[-1], torch.cat(rows, 1), gen)
-            rows.append(z)
-            imgs.append(torch.bmm(z, mats))  # (Ma, b, N) @ (Ma, N, N)
+        for j in range(1, s):
+            lo, hi = j * b, (j + 1) * b
+            basis[:, lo:hi] = _orth_rows(images[:, lo - b:lo], basis[:, :lo], gen)
+            images[:, lo:hi] = torch.bmm(basis[:, lo:hi], mats)  # (Ma, b, N) @ (Ma, N, N)
             matvecs[active] += b
-        basis, images = torch.cat(rows, 1), torch.cat(imgs, 1)
         theta, vecs, r = _top_ritz(basis, images)
         mod = theta[:, 0].abs()
-        d_prev = (s - 1) * b
-        prev_theta, _, _ = _top_ritz(basis[:, :d_prev], images[:, :d_prev])
-        change = (mod - prev_theta[:, 0].abs()).abs()
+        change = (mod - _top_modulus(basis[:, : d - b], images[:, : d - b])).abs()
         done = (r <= tol) & (change <= tol)
         done |= mod <= 1e3 * torch.finfo(dt).eps  # the spectrum is numerically zero
         value[active], eig[active], resid[active], conv[active] = mod, theta[:, 0], r, done
@@ -745,10 +751,11 @@ def _lambda2_krylov(
         start = torch.bmm(ut, basis[keep])
         start_img = torch.bmm(ut, images[keep])
         q, rr = torch.linalg.qr(start.transpose(1, 2))  # re-orthonormalise (rounding)
-        start = q.transpose(1, 2)
-        start_img = torch.linalg.solve_triangular(rr.transpose(1, 2), start_img, upper=False)
         if not bool(keep.all()):  # one copy per cycle, cheaper than products on all
             active, mats = active[keep], mats[keep]
+            basis, images = basis[keep], images[keep]
+        basis[:, :b] = q.transpose(1, 2)
+        images[:, :b] = torch.linalg.solve_triangular(rr.transpose(1, 2), start_img, upper=False)
     return Lambda2Result(
         value=value, eigenvalue=eig, residual=resid, converged=conv, matvecs=matvecs,
         dense=torch.zeros(m, dtype=torch.bool, device=dev),
