@@ -616,7 +616,7 @@ def lambda2(
         if method == "auto":
             bad = (~res.converged).nonzero().squeeze(-1)
             if bad.numel() and x.dtype != torch.float64:
-                sub = _lambda2_krylov(x[bad].double(), **kw)
+                sub = _lambda2_krylov(x.index_select(0, bad).double(), **kw)
                 for f in ("value", "eigenvalue", "residual", "converged"):
                     getattr(res, f)[bad] = getattr(sub, f)
                 res.matvecs[bad] += sub.matvecs
@@ -663,17 +663,19 @@ def _orth_rows(z: Tensor, basis: Tensor | None, gen: torch.Generator) -> Tensor:
     return z
 
 
-def _top_ritz(basis: Tensor, images: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _top_ritz(basis: Tensor, images: Tensor, prev: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Rayleigh-Ritz on row space ``basis`` (M, d, N) with ``images = basis @ A``.
 
     A row vector ``y = c @ basis`` maps to ``y A = c @ images``, whose projection back onto
     the span is ``c @ G`` with ``G = images @ basis^T``: the Ritz pairs are the left
-    eigenpairs of ``G`` (float64).
+    eigenpairs of ``G`` (float64). The projection onto the first ``prev`` rows alone is the
+    leading ``prev x prev`` block of the same ``G``.
 
     Returns:
         Ritz values sorted by decreasing modulus ``(M, d)`` (complex128), their coefficient
-        vectors as columns ``(M, d, d)``, and the relative residual
-        ``|y A - theta y| / |y|`` of the top pair ``(M,)``.
+        vectors as columns ``(M, d, d)``, the relative residual ``|y A - theta y| / |y|``
+        of the top pair ``(M,)``, and the largest Ritz modulus on the first ``prev`` rows
+        ``(M,)`` (values only).
     """
     b64, i64 = basis.double(), images.double()
     g = torch.bmm(i64, b64.transpose(1, 2))
@@ -686,13 +688,8 @@ def _top_ritz(basis: Tensor, images: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     ya = torch.complex(torch.bmm(c.real, i64), torch.bmm(c.imag, i64))
     r = (ya - theta[:, :1, None] * y).abs().norm(dim=(-1, -2))
     r = r / y.abs().norm(dim=(-1, -2)).clamp_min(1e-300)
-    return theta, vecs, r
-
-
-def _top_modulus(basis: Tensor, images: Tensor) -> Tensor:
-    """Largest Ritz modulus on row space ``basis`` (values only, no eigenvectors)."""
-    g = torch.bmm(images.double(), basis.double().transpose(1, 2))
-    return torch.linalg.eigvals(g).abs().amax(-1)
+    prev_mod = torch.linalg.eigvals(g[:, :prev, :prev]).abs().amax(-1)
+    return theta, vecs, r, prev_mod
 
 
 def _lambda2_krylov(
@@ -734,26 +731,27 @@ def _lambda2_krylov(
             basis[:, lo:hi] = _orth_rows(images[:, lo - b:lo], basis[:, :lo], gen)
             images[:, lo:hi] = torch.bmm(basis[:, lo:hi], mats)  # (Ma, b, N) @ (Ma, N, N)
             matvecs[active] += b
-        theta, vecs, r = _top_ritz(basis, images)
+        theta, vecs, r, prev_mod = _top_ritz(basis, images, d - b)
         mod = theta[:, 0].abs()
-        change = (mod - _top_modulus(basis[:, : d - b], images[:, : d - b])).abs()
+        change = (mod - prev_mod).abs()
         done = (r <= tol) & (change <= tol)
         done |= mod <= 1e3 * torch.finfo(dt).eps  # the spectrum is numerically zero
         value[active], eig[active], resid[active], conv[active] = mod, theta[:, 0], r, done
         if bool(done.all()) or cycle == max_cycles - 1:
             break
-        keep = ~done
+        # index_select, not boolean indexing: the latter copies the chains 5x slower here
+        keep = (~done).nonzero().squeeze(-1)
         # restart block: real span of the leading Ritz vectors (conjugate pairs share it)
-        ck = vecs[keep][:, :, :b]
+        ck = vecs.index_select(0, keep)[:, :, :b]
         cri = torch.stack([ck.real, ck.imag], -1).flatten(-2)  # (Mk, d, 2b)
         u = torch.linalg.svd(cri, full_matrices=False).U[:, :, :b]
         ut = u.transpose(1, 2).to(dt)  # (Mk, b, d)
-        start = torch.bmm(ut, basis[keep])
-        start_img = torch.bmm(ut, images[keep])
+        basis, images = basis.index_select(0, keep), images.index_select(0, keep)
+        start = torch.bmm(ut, basis)
+        start_img = torch.bmm(ut, images)
         q, rr = torch.linalg.qr(start.transpose(1, 2))  # re-orthonormalise (rounding)
-        if not bool(keep.all()):  # one copy per cycle, cheaper than products on all
-            active, mats = active[keep], mats[keep]
-            basis, images = basis[keep], images[keep]
+        if keep.numel() < active.numel():  # one copy per cycle, cheaper than products on all
+            active, mats = active[keep], mats.index_select(0, keep)
         basis[:, :b] = q.transpose(1, 2)
         images[:, :b] = torch.linalg.solve_triangular(rr.transpose(1, 2), start_img, upper=False)
     return Lambda2Result(
