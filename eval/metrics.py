@@ -184,24 +184,20 @@ def average_precision(scores: Tensor, targets: Tensor) -> Tensor:
     return ap.reshape(batch)
 
 
-def _pooled_keys(r: Tensor, g: Tensor) -> Tensor | np.ndarray:
+def _pooled_keys(r: Tensor, g: Tensor) -> np.ndarray:
     """The ``2 M`` pooled samples of each row as ascending int32 keys ``bits(score) << 1 | y``.
 
     Scores in ``[0, 1]`` are non-negative floats, whose IEEE bit patterns order like their
     values, so one values-only sort of packed integer keys orders the scores and carries the
-    targets along. The channel ``1 - R`` needs no sort of its own: ``fl(1 - r)`` is
-    non-increasing in ``r``, so it is the reversed first run; the two runs are merged.
-    On CPU numpy sorts (values only, ~5x faster than ``torch.sort`` with its indices) and
-    merges the two runs (timsort: linear); elsewhere ``torch.sort`` runs on the device.
+    targets along (numpy: ~5x faster than ``torch.sort`` with its indices). The channel
+    ``1 - R`` needs no sort of its own: ``fl(1 - r)`` is non-increasing in ``r``, so it is
+    the reversed first run; the two runs are merged (timsort: linear).
 
     Args:
-        r: ``(B, M)`` float32 scores in ``[0, 1]`` (no negative zero).
+        r: ``(B, M)`` float32 CPU scores in ``[0, 1]`` (no negative zero).
         g: ``(B, M)`` bool targets of the ``R`` channel (``1 - R`` gets ``~g``).
     """
     kr = (r.view(torch.int32) << 1) | g.to(torch.int32)
-    if r.device.type != "cpu":
-        ku = ((1.0 - r).view(torch.int32) << 1) | (~g).to(torch.int32)
-        return torch.sort(torch.cat([kr, ku], 1), dim=-1).values
     kr_np = np.sort(kr.numpy(), axis=-1)
     r_asc = torch.from_numpy(kr_np >> 1).view(torch.float32)
     ku = ((1.0 - r_asc).view(torch.int32) << 1) | (1 - torch.from_numpy(kr_np & 1))
@@ -209,35 +205,15 @@ def _pooled_keys(r: Tensor, g: Tensor) -> Tensor | np.ndarray:
     return np.sort(both, axis=-1, kind="stable")
 
 
-def _ap_of_sorted_keys(keys: Tensor | np.ndarray) -> Tensor:
-    """AP of rows of ascending keys ``bits(score) << 1 | y`` (see :func:`_pooled_keys`).
+def _ap_of_sorted_keys(keys: np.ndarray) -> np.ndarray:
+    """AP of pooled rows of ascending keys ``bits(score) << 1 | y`` (see
+    :func:`_pooled_keys`; exactly ``n / 2`` positives per row), touching the full arrays
+    only a few times.
 
     In ascending order a tie group starting at index ``s`` is, in decreasing order, the end
     of a threshold: ``n - s`` samples score ``>= v`` and ``P - C[s]`` of them are positive
     (``C`` the exclusive cumulative count of positives), so
     ``AP = 1/P sum_j y_j (P - C[s_j]) / (n - s_j)`` (scikit-learn's step-wise AP).
-    """
-    if isinstance(keys, Tensor):  # device path (torch)
-        b, n = keys.shape
-        y = keys & 1
-        v = keys >> 1
-        idx = torch.arange(n, device=keys.device)
-        new = torch.ones_like(keys, dtype=torch.bool)
-        new[:, 1:] = v[:, 1:] != v[:, :-1]
-        s = torch.cummax(torch.where(new, idx, 0), 1).values
-        c = torch.cumsum(y, 1, dtype=torch.int64) - y
-        p = c[:, -1] + y[:, -1]
-        above = p[:, None] - torch.gather(c, 1, s)
-        num = (y * (above.double() / (n - s).double())).sum(1)
-        pf = p.double()
-        return torch.where(pf > 0, num / pf.clamp_min(1.0), torch.zeros_like(num))
-    return torch.from_numpy(_ap_of_sorted_keys_np(keys))
-
-
-def _ap_of_sorted_keys_np(keys: np.ndarray) -> np.ndarray:
-    """The CPU path of :func:`_ap_of_sorted_keys` for pooled rows (exactly ``n / 2``
-    positives per row), touching the full arrays only a few times.
-
     Without ties, the ``r``-th positive (ascending index ``i_r``) has ``C = r`` positives
     before it, so its term is ``(P - r) / (n - i_r)``. Samples tied with their predecessor
     (found sparsely) are corrected to the term of their tie group's start.
@@ -280,14 +256,15 @@ def pooled_average_precisions(score: Tensor, gt: Tensor) -> Tensor:
 
     Returns:
         ``(B,)`` float64 AP over the ``2 H W`` samples of each image, NaN -> 0
-        (scikit-learn's ``average_precision_score`` to rounding). Computed with one sort of
-        packed keys (:func:`_pooled_keys`) and cumulative sums; scores outside ``[0, 1]``
-        (or NaN) take the general :func:`average_precision`.
+        (scikit-learn's ``average_precision_score`` to rounding). On CPU, with scores in
+        ``[0, 1]``: one numpy sort of packed keys (:func:`_pooled_keys`) and sparse tie
+        corrections; on other devices, or for scores outside ``[0, 1]`` (or NaN), the
+        general sort-based :func:`average_precision` on the pooled channels.
     """
     r = score.reshape(score.shape[0], -1).float() + 0.0  # + 0.0: no negative zero
     g = gt.reshape(gt.shape[0], -1).to(device=r.device, dtype=torch.bool)
-    if r.numel() and bool(((r >= 0) & (r <= 1)).all()):
-        ap = _ap_of_sorted_keys(_pooled_keys(r.contiguous(), g)).to(r.device)
+    if r.device.type == "cpu" and r.numel() and bool(((r >= 0) & (r <= 1)).all()):
+        ap = torch.from_numpy(_ap_of_sorted_keys(_pooled_keys(r.contiguous(), g)))
     else:
         ap = average_precision(torch.cat([1.0 - r, r], 1), torch.cat([~g, g], 1))
     return torch.nan_to_num(ap, nan=0.0)
