@@ -41,6 +41,7 @@ import contextlib
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -502,18 +503,24 @@ class SelfCheck:
         x = dev_model.collate((self.images * 4)[:4]).to(self.device)  # batch 4
         method = instantiate(compose("segment", []).method)  # the default (regions)
         cap = method.capture(dev_model.num_layers)
-        rep = 1 if self.quick else 3
+        rep = 1 if self.quick else 5
         with torch.no_grad():
             dev_model.forward_plain(x)
             rec = dev_model.extract(x, cap)
             method(rec)
-            t_fwd = _best_ms(lambda: dev_model.forward_plain(x), self.device, rep)
-            t_ext = _best_ms(lambda: dev_model.extract(x, cap), self.device, rep)
-            t_reg = _best_ms(lambda: method(rec), self.device, rep)
+            # interleaved rounds, medians and the median of the rounds' ratios, as
+            # `bench regions` reports them: a device that speeds up or slows down mid-run
+            # moves the three timings of a round alike
+            rounds = [(_best_ms(lambda: dev_model.forward_plain(x), self.device, 1),
+                       _best_ms(lambda: dev_model.extract(x, cap), self.device, 1),
+                       _best_ms(lambda: method(rec), self.device, 1)) for _ in range(rep)]
+        t_fwd, t_ext, t_reg = (statistics.median(r[j] for r in rounds) for j in range(3))
+        ext_ratio = statistics.median(r[1] / r[0] for r in rounds)
+        reg_ratio = statistics.median(r[2] / r[0] for r in rounds)
         self.ratios.setdefault("region_stage", []).append({
             "model": spec["name"], "px": self.size, "batch": int(x.shape[0]), "forward_ms": round(t_fwd, 3),
             "extract_ms": round(t_ext, 3), "regions_ms": round(t_reg, 3),
-            "extract_over_forward": round(t_ext / t_fwd, 3), "regions_over_forward": round(t_reg / t_fwd, 3),
+            "extract_over_forward": round(ext_ratio, 3), "regions_over_forward": round(reg_ratio, 3),
         })
         args = bench_pipeline._parser().parse_args([
             "--images", str(6 if self.quick else 32), "--model", spec["config"], "--method", "regions",
@@ -526,8 +533,8 @@ class SelfCheck:
             "bare_forward_img_s": res["bare_forward_median"], "pipeline_img_s": res["pipeline_median"],
             "ratio": res["ratio"],
         })
-        self.log(f"  ratios {spec['name']}: extract/forward {t_ext / t_fwd:.2f}, regions/forward "
-                 f"{t_reg / t_fwd:.2f}, pipeline/bare {res['ratio']:.2f} ({res['pipeline_median']:.1f} vs "
+        self.log(f"  ratios {spec['name']}: extract/forward {ext_ratio:.2f}, regions/forward "
+                 f"{reg_ratio:.2f}, pipeline/bare {res['ratio']:.2f} ({res['pipeline_median']:.1f} vs "
                  f"{res['bare_forward_median']:.1f} img/s)")
 
     def measure_throughput(self, configs: tuple[str, ...] = ("dinov2_vits14", "dinov2_vitb14"),
