@@ -755,13 +755,16 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
         _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at, fallbacks, timing)
     elapsed = time.perf_counter() - t0 - timing.build_s
 
-    gathered = dist.gather({i: {k: v.to_dict() for k, v in st.items()} for i, st in states.items()}, ctx)
-    gathered_fallbacks = dist.gather(fallbacks, ctx)
+    # one collective: every rank's per-image states and prompt fallbacks together
+    mine_out = ({i: {k: v.to_dict() for k, v in st.items()} for i, st in states.items()}, fallbacks)
+    gathered = dist.gather(mine_out, ctx)
     if not ctx.is_main:
         return EXIT_OK
     per_image: dict[int, dict[str, dict]] = {}
-    for part in gathered or []:
-        per_image.update(part)
+    prompted: dict[int, bool | None] = {}
+    for part_states, part_prompted in gathered or []:
+        per_image.update(part_states)
+        prompted.update(part_prompted)
     empty = (lambda: BinaryState()) if dataset.task == "binary" else (lambda: MulticlassState.zero(dataset.num_classes))
     names = class_names_of(dataset) if dataset.task == "multiclass" else ()
     results = Results(task=dataset.task, class_names=names)
@@ -772,9 +775,6 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
         row["images_per_s"] = round(len(todo) / elapsed, 4) if todo and scored else None
         row["method_ms_per_image"] = round(1e3 * timing.method_s[s.key] / scored, 3) if scored else None
         results.rows.append(row)
-    prompted: dict[int, bool | None] = {}
-    for part in gathered_fallbacks or []:
-        prompted.update(part)
     if any(prompted.get(i) is not None for i in indices):  # a text-conditioned backbone
         count = sum(bool(prompted.get(i)) for i in indices)
         for row in results.rows:
