@@ -37,6 +37,39 @@ def _by_stem(folder: Path, extensions: Sequence[str]) -> dict[str, Path]:
     return out
 
 
+def pair_by_stem(
+    root: Path, images_dir: str, other_dir: str, other: str, kind: str, *, missing: str = "error",
+    hint: str = "",
+) -> list[tuple[str, Path, Path]]:
+    """``(stem, image, other file)`` for the images of ``root/images_dir`` paired by basename
+    with the masks or labels of ``root/other_dir`` (any image extension), sorted by stem.
+
+    Args:
+        other: what the second folder holds, singular ("mask", "label"), for the errors.
+        kind: the kind of data set, for the errors ("folder-pair", "label-folder").
+        missing: ``"error"``: a file without its partner raises a ``ValueError`` naming it;
+            ``"skip"``: only the pairs are kept.
+        hint: appended to the unpaired-file errors (e.g. how to skip them).
+    """
+    img_dir = require_dir(root / images_dir, f"the images of a {kind} data set")
+    oth_dir = require_dir(root / other_dir, f"the {other}s of a {kind} data set")
+    images = _by_stem(img_dir, IMAGE_EXTENSIONS)
+    others = _by_stem(oth_dir, MASK_EXTENSIONS)
+    if missing == "error":
+        for have, lack, name, partner, where in ((others, images, other, "image", img_dir),
+                                                  (images, others, "image", other, oth_dir)):
+            lonely = sorted(set(have) - set(lack))
+            if lonely:
+                raise ValueError(
+                    f"{have[lonely[0]]}: {'an' if name[0] in 'aeiou' else 'a'} {name} with no"
+                    f" {partner} of the same stem in {where} ({len(lonely)} such {name}s){hint}"
+                )
+    stems = sorted(set(images) & set(others))
+    if not stems:
+        raise ValueError(f"{root}: no image/{other} pairs in {images_dir}/ and {other_dir}/")
+    return [(s, images[s], others[s]) for s in stems]
+
+
 def mask_to_fraction(mask: Image.Image) -> np.ndarray:
     """A mask image as float64 ``(H, W)`` in ``[0, 1]`` (fraction of its full scale).
 
@@ -88,23 +121,9 @@ class FolderPairs(SegmentationDataset):
         if missing not in ("error", "skip"):
             raise ValueError(f"missing must be 'error' or 'skip', got {missing!r}")
         self.root = require_dir(root, f"a folder with {images_dir}/ and {masks_dir}/")
-        img_dir = require_dir(self.root / images_dir, "the images of a folder-pair data set")
-        mask_dir = require_dir(self.root / masks_dir, "the masks of a folder-pair data set")
-        images = _by_stem(img_dir, IMAGE_EXTENSIONS)
-        masks = _by_stem(mask_dir, MASK_EXTENSIONS)
-        unpaired = sorted(set(images) ^ set(masks))
-        if unpaired and missing == "error":
-            lonely = [str((images.get(s) or masks.get(s))) for s in unpaired[:5]]
-            raise ValueError(
-                f"{self.root}: expected every image in {images_dir}/ to have a mask with the same "
-                f"basename in {masks_dir}/ and vice versa; {len(unpaired)} unpaired, e.g. {lonely} "
-                f"(dataset.missing=skip evaluates only the pairs)"
-            )
-        stems = sorted(set(images) & set(masks))
-        if not stems:
-            raise ValueError(f"{self.root}: no image/mask pairs found in {images_dir}/ and {masks_dir}/")
+        self.items = pair_by_stem(self.root, images_dir, masks_dir, "mask", "folder-pair",
+                                  missing=missing, hint="; dataset.missing=skip evaluates only the pairs")
         self.threshold = float(threshold)
-        self.items = [(s, images[s], masks[s]) for s in stems]
 
     def __len__(self) -> int:
         return len(self.items)

@@ -294,8 +294,7 @@ class LabelFolder(_CroppedLabels):
         images_dir: str = "images",
         labels_dir: str = "labels",
     ) -> None:
-        from segment.datasets.folder import MASK_EXTENSIONS, _by_stem
-        from segment.datasets.base import IMAGE_EXTENSIONS
+        from segment.datasets.folder import pair_by_stem
 
         super().__init__(size, crop)
         k = int(num_classes)
@@ -330,31 +329,13 @@ class LabelFolder(_CroppedLabels):
             raise ValueError("ignore_color needs colors (a colour table for RGB-coded labels)")
         self.lut = _lut({**{c: c for c in range(k)}, ignore: IGNORE_INDEX})
         self.label_what = (
-            f"an RGB label PNG with the colours of dataset.colors"
+            "an RGB label PNG with the colours of dataset.colors"
             if self.colors is not None
             else f"a label PNG with class ids 0..{k - 1} and {ignore} (ignored)"
         )
 
         self.root = require_dir(root, f"a folder with {images_dir}/ and {labels_dir}/")
-        img_dir = require_dir(self.root / images_dir, "the images of a label-folder data set")
-        lab_dir = require_dir(self.root / labels_dir, "the labels of a label-folder data set")
-        images = _by_stem(img_dir, IMAGE_EXTENSIONS)
-        labels = _by_stem(lab_dir, MASK_EXTENSIONS)
-        lonely = sorted(set(labels) - set(images))
-        if lonely:
-            raise ValueError(
-                f"{labels[lonely[0]]}: a label with no image of the same stem in {img_dir}"
-                f" ({len(lonely)} such labels)"
-            )
-        lonely = sorted(set(images) - set(labels))
-        if lonely:
-            raise ValueError(
-                f"{images[lonely[0]]}: an image with no label of the same stem in {lab_dir}"
-                f" ({len(lonely)} such images)"
-            )
-        if not images:
-            raise ValueError(f"{self.root}: no image/label pairs in {images_dir}/ and {labels_dir}/")
-        self.items = [(s, images[s], labels[s]) for s in sorted(images)]
+        self.items = pair_by_stem(self.root, images_dir, labels_dir, "label", "label-folder")
 
     def read_raw(self, path: Path) -> np.ndarray:
         if self.colors is None:

@@ -191,10 +191,15 @@ def test_folder_errors(folder, tmp_path):
     with pytest.raises(FileNotFoundError, match="masks"):
         FolderPairs(tmp_path / "nothing")
     _save(root / "images" / "lonely.png", np.zeros((4, 4, 3), np.uint8))
-    with pytest.raises(ValueError, match="lonely"):
+    with pytest.raises(ValueError, match=r"images/lonely.png: an image with no mask .*missing=skip"):
         FolderPairs(root)
     assert len(FolderPairs(root, missing="skip")) == 3
     (root / "images" / "lonely.png").unlink()
+    _save(root / "masks" / "orphan.png", np.zeros((4, 4), np.uint8))
+    with pytest.raises(ValueError, match=r"masks/orphan.png: a mask with no image .*\(1 such masks\)"):
+        FolderPairs(root)
+    assert len(FolderPairs(root, missing="skip")) == 3
+    (root / "masks" / "orphan.png").unlink()
     (root / "masks" / "a.png").write_bytes(b"not a png")
     ds = FolderPairs(root)
     with pytest.raises(ValueError, match=r"a\.png.*mask"):
