@@ -428,13 +428,6 @@ def score_multiclass(out: MethodOutput, targets: list[Tensor], num_classes: int,
 # ---------------------------------------------------------------------------------------
 
 
-def _palette(n: int = 256) -> np.ndarray:
-    rng = np.random.default_rng(12345)
-    pal = rng.integers(40, 256, (n, 3), dtype=np.uint8)
-    pal[255] = 0  # ignore
-    return pal
-
-
 def _colour_heat(r: Tensor) -> np.ndarray:
     import cv2
 
@@ -523,13 +516,16 @@ def write_panel(path: Path, image, target: np.ndarray, rows: list[tuple[str, lis
     img = np.asarray(image.convert("RGB").resize((w, h), Image.BILINEAR))
     if class_names is not None:
         gt = colour_classes(target.astype(np.int64), len(class_names))
+    elif target.dtype == bool:
+        gt = _gray(target)
     else:
-        gt = _palette()[target] if target.dtype != bool else _gray(target)
+        raise ValueError(f"write_panel: a binary panel needs a bool target, got {target.dtype}"
+                         " (pass class_names for a class map)")
     pad = 4
     lines = []
     if columns is None and rows:  # binary: image | heatmap | mask | ground truth
-        tiles = ["heatmap", "mask" if target.dtype == bool else "labels"]
-        columns = ["image", *(tiles + [""] * len(rows[0][1]))[: len(rows[0][1])], "ground truth"]
+        n = len(rows[0][1])
+        columns = ["image", *(["heatmap", "mask"] + [""] * n)[:n], "ground truth"]
     if columns:
         lines.append(_text_strip((w + pad) * len(columns), [(c * (w + pad), t) for c, t in enumerate(columns)]))
     for label, tiles in rows:
