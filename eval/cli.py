@@ -33,8 +33,7 @@ def _main(cfg: DictConfig) -> int:
 
 
 def main() -> None:
-    raise SystemExit(front.run_command(
-        "segment-eval", "eval", _main, groups=("model", "method", "dataset", "experiment")))
+    raise SystemExit(front.run_command("segment-eval", "eval", _main))
 
 
 if __name__ == "__main__":

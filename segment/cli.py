@@ -33,7 +33,7 @@ def _main(cfg: DictConfig) -> int:
 
 
 def main() -> None:
-    raise SystemExit(front.run_command("segment", "segment", _main, groups=("model", "method")))
+    raise SystemExit(front.run_command("segment", "segment", _main))
 
 
 if __name__ == "__main__":

@@ -133,6 +133,11 @@ def _compose(config_name: str, overrides: Sequence[str]) -> Any:
         return compose(config_name, overrides=list(overrides))
 
 
+# the config groups of every command (one place: the pre-check and --help read it)
+ALL_GROUPS = ("model", "method", "dataset", "experiment")
+COMMAND_GROUPS = {"segment": ("model", "method"), "segment-eval": ALL_GROUPS}
+
+
 def check_overrides(command: str, config_name: str, args: Sequence[str], groups: Sequence[str]) -> Any:
     """Validate ``KEY=VALUE`` arguments; returns the composed config.
 
@@ -147,13 +152,12 @@ def check_overrides(command: str, config_name: str, args: Sequence[str], groups:
         overrides = OverridesParser.create().parse_overrides(list(args))
     except HydraException as e:
         raise UsageError(f"cannot parse the arguments: {str(e).strip().splitlines()[0]}") from None
-    all_groups = ("model", "method", "dataset", "experiment")
     choices = []
     for o in overrides:
         key = o.key_or_group
         if o.is_hydra_override():
             continue
-        if key in all_groups and o.package is None and not o.is_delete():
+        if key in ALL_GROUPS and o.package is None and not o.is_delete():
             if key not in groups:
                 raise UsageError(f"{command} has no {key!r} settings (its config groups: "
                                  f"{', '.join(groups)})")
@@ -172,7 +176,7 @@ def check_overrides(command: str, config_name: str, args: Sequence[str], groups:
     known = [k for k in _flatten_keys(tree) if not k.endswith("_target_")]
     for o in overrides:
         key = o.key_or_group
-        if o.is_hydra_override() or (key in all_groups and o.package is None and not o.is_delete()):
+        if o.is_hydra_override() or (key in ALL_GROUPS and o.package is None and not o.is_delete()):
             continue
         if _exists(tree, key):
             continue
@@ -262,9 +266,10 @@ def cleanup(plan: Plan) -> None:
 # --------------------------------------------------------------------------- the command
 
 
-def run_command(command: str, config_name: str, hydra_main: Callable[[], Any], groups: Sequence[str],
+def run_command(command: str, config_name: str, hydra_main: Callable[[], Any],
                 argv: Sequence[str] | None = None) -> int:
     """Pre-check, run the ``@hydra.main`` function, map its outcome to an exit code."""
+    groups = COMMAND_GROUPS[command]
     tune_allocator()
     args = list(sys.argv[1:] if argv is None else argv)
     plan = Plan()
@@ -338,7 +343,7 @@ _HELP = {
 def help_text(command: str) -> str:
     """The ``--help`` text of a command (groups listed from the installed configs)."""
     h = _HELP[command]
-    groups = ("model", "method") if command == "segment" else ("model", "method", "dataset", "experiment")
+    groups = COMMAND_GROUPS[command]
     lines = [textwrap.fill(f"{command}: {h['what']}.", width=96), "", "Usage:", f"  {h['usage']}", "", "Examples:"]
     for cmd, note in h["examples"]:
         lines.append(f"  {cmd}" + (f"\n      # {note}" if note else ""))
