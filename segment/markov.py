@@ -746,12 +746,12 @@ def _lambda2_krylov(
         cri = torch.stack([ck.real, ck.imag], -1).flatten(-2)  # (Mk, d, 2b)
         u = torch.linalg.svd(cri, full_matrices=False).U[:, :, :b]
         ut = u.transpose(1, 2).to(dt)  # (Mk, b, d)
-        basis, images = basis.index_select(0, keep), images.index_select(0, keep)
+        if keep.numel() < active.numel():  # one copy per cycle, cheaper than products on all
+            active, mats = active[keep], mats.index_select(0, keep)
+            basis, images = basis.index_select(0, keep), images.index_select(0, keep)
         start = torch.bmm(ut, basis)
         start_img = torch.bmm(ut, images)
         q, rr = torch.linalg.qr(start.transpose(1, 2))  # re-orthonormalise (rounding)
-        if keep.numel() < active.numel():  # one copy per cycle, cheaper than products on all
-            active, mats = active[keep], mats.index_select(0, keep)
         basis[:, :b] = q.transpose(1, 2)
         images[:, :b] = torch.linalg.solve_triangular(rr.transpose(1, 2), start_img, upper=False)
     return Lambda2Result(
