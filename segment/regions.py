@@ -221,8 +221,7 @@ def _leaders(dist: Tensor, valid: Tensor, threshold: float) -> Tensor:
     slot (invalid slots point to themselves).
     """
     b, s, _ = dist.shape
-    terms = _log_terms(dist)
-    near = (_symkl(terms, terms) < threshold).cpu().numpy()  # (B, S, S)
+    near = (symmetric_kl(dist, dist) < threshold).cpu().numpy()  # (B, S, S)
     free_all = valid.cpu().numpy().copy()
     lab = np.tile(np.arange(s), (b, 1))
     for i in range(b):
@@ -274,8 +273,7 @@ def merge_proposals(
             d, valid = props.dist, props.valid
             s = d.shape[1]
         if it or kl is None:
-            terms = _log_terms(d)
-            kl = _symkl(terms, terms)
+            kl = symmetric_kl(d, d)
         pair = valid.unsqueeze(1) & valid.unsqueeze(2)
         near = (kl < tau) & pair
         w = near.to(d.dtype)
