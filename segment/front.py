@@ -138,7 +138,7 @@ ALL_GROUPS = ("model", "method", "dataset", "experiment")
 COMMAND_GROUPS = {"segment": ("model", "method"), "segment-eval": ALL_GROUPS}
 
 
-def check_overrides(command: str, config_name: str, args: Sequence[str], groups: Sequence[str]) -> Any:
+def check_overrides(command: str, config_name: str, args: Sequence[str]) -> Any:
     """Validate ``KEY=VALUE`` arguments; returns the composed config.
 
     Raises:
@@ -152,6 +152,7 @@ def check_overrides(command: str, config_name: str, args: Sequence[str], groups:
         overrides = OverridesParser.create().parse_overrides(list(args))
     except HydraException as e:
         raise UsageError(f"cannot parse the arguments: {str(e).strip().splitlines()[0]}") from None
+    groups = COMMAND_GROUPS[command]
     choices = []
     for o in overrides:
         key = o.key_or_group
@@ -269,14 +270,13 @@ def cleanup(plan: Plan) -> None:
 def run_command(command: str, config_name: str, hydra_main: Callable[[], Any],
                 argv: Sequence[str] | None = None) -> int:
     """Pre-check, run the ``@hydra.main`` function, map its outcome to an exit code."""
-    groups = COMMAND_GROUPS[command]
     tune_allocator()
     args = list(sys.argv[1:] if argv is None else argv)
     plan = Plan()
     flags = [a for a in args if a.startswith("-") and not a.startswith("~")]
     try:
         if not flags:  # --help, --cfg, -m ...: Hydra's own business
-            cfg = check_overrides(command, config_name, args, groups)
+            cfg = check_overrides(command, config_name, args)
             if cfg.get("output"):
                 plan = check_output(str(cfg.output))
     except UsageError as e:
