@@ -169,6 +169,10 @@ def _hub_reachable(endpoint: str, timeout: float = 3.0) -> str | None:
         return f"{endpoint} unreachable: {e.strerror or type(e).__name__}"
 
 
+class _Captured(Exception):  # noqa: N818 - control flow, not an error
+    """Raised by the hook of the last captured layer: the rest of the forward is not needed."""
+
+
 class _hub_offline:  # noqa: N801 - used as a context manager
     """Offline mode of the Hugging Face hub client for the duration of a block."""
 
@@ -481,7 +485,9 @@ class TimmViT(Backbone):
         others stay fused); a forward hook on its ``attn.attn_drop`` hands the
         probabilities ``(B, H, N, N)`` to an :class:`~segment.reduce.AttentionReducer` as
         soon as they exist, and a hook on ``attn.k_norm`` the keys ``(B, H, N, D)`` when
-        ``capture.keys``. Blocks after the last captured one are not run.
+        ``capture.keys``. Nothing after the last captured probabilities is run: neither
+        the rest of that block (``attn @ v``, the projection, the MLP) nor the blocks
+        after it (the hook ends the forward; a record holds attention and keys only).
 
         Args:
             pixels: ``(B, 3, H, W)`` preprocessed images (H, W multiples of the patch size).
@@ -498,9 +504,13 @@ class TimmViT(Backbone):
         handles = []
         blocks = self.model.blocks
 
+        last = max(reducer.layers)
+
         def on_attn(layer: int):
             def hook(_mod: nn.Module, _inp: Any, out: Tensor) -> None:
                 reducer.update(layer, out, keys.pop(layer, None))
+                if layer == last:
+                    raise _Captured
             return hook
 
         def on_keys(layer: int):
@@ -516,10 +526,10 @@ class TimmViT(Backbone):
                 if capture.keys:
                     handles.append(attn.k_norm.register_forward_hook(on_keys(i)))
             x = pixels.to(device=self.device, dtype=self.dtype)
-            with torch.no_grad():
+            with torch.no_grad(), contextlib.suppress(_Captured):
                 self.model.forward_intermediates(
-                    x, indices=[max(reducer.layers)], stop_early=True,
-                    intermediates_only=True, output_fmt="NLC",
+                    x, indices=[last], stop_early=True, intermediates_only=True,
+                    output_fmt="NLC",
                 )
         finally:
             for h in handles:

@@ -98,27 +98,41 @@ def test_fp32_capture_matches_fp32_fused_block():
     assert torch.allclose(reproduce(model, rec.attn[1], x, 1), y, atol=1e-5, rtol=1e-4)
 
 
-def test_only_captured_blocks_unfused_and_later_blocks_skipped():
+def test_only_captured_blocks_unfused_and_nothing_after_the_last_probabilities_runs():
     model = tiny()
     blocks = model.model.blocks
-    calls = {"drop1": 0, "block1": 0, "fused_during": None}
-    h1 = blocks[1].attn.attn_drop.register_forward_hook(
-        lambda *a: calls.__setitem__("drop1", calls["drop1"] + 1))
-    h2 = blocks[1].register_forward_hook(lambda *a: calls.__setitem__("block1", calls["block1"] + 1))
-    h3 = blocks[0].attn.attn_drop.register_forward_hook(
-        lambda *a: calls.__setitem__("fused_during", (blocks[0].attn.fused_attn, blocks[1].attn.fused_attn)))
+    calls = {"drop1": 0, "block0": 0, "block1": 0, "proj1": 0, "mlp1": 0, "fused_during": None}
+
+    def count(key):
+        return lambda *a: calls.__setitem__(key, calls[key] + 1)
+
+    hooks = [
+        blocks[1].attn.attn_drop.register_forward_hook(count("drop1")),
+        blocks[0].register_forward_hook(count("block0")),
+        blocks[1].register_forward_hook(count("block1")),
+        blocks[1].attn.proj.register_forward_hook(count("proj1")),
+        blocks[1].mlp.register_forward_hook(count("mlp1")),
+        blocks[0].attn.attn_drop.register_forward_hook(
+            lambda *a: calls.__setitem__("fused_during", (blocks[0].attn.fused_attn, blocks[1].attn.fused_attn))),
+    ]
     try:
+        # layer 0 captured: block 0's attention output projection and MLP never run, nor block 1
         rec = model.extract(torch.randn(1, 3, 224, 224), Capture(layers=(0,), heads="keep"))
-        assert calls == {"drop1": 0, "block1": 0, "fused_during": (False, True)}
+        assert calls == {"drop1": 0, "block0": 0, "block1": 0, "proj1": 0, "mlp1": 0,
+                         "fused_during": (False, True)}
         assert rec.layers == (0,)
-        model.extract(torch.randn(1, 3, 224, 224), Capture(layers=(0, 1), heads="keep"))
-        assert calls["drop1"] == 1 and calls["block1"] == 1
+        # layers 0 and 1: block 0 runs whole, block 1 up to its probabilities
+        rec = model.extract(torch.randn(1, 3, 224, 224), Capture(layers=(0, 1), heads="keep", keys=True))
+        assert calls["block0"] == 1 and calls["drop1"] == 1
+        assert calls["block1"] == calls["proj1"] == calls["mlp1"] == 0
+        assert rec.layers == (0, 1) and set(rec.keys) == {0, 1}
+        # every block is fused again: the plain forward runs whole, without the manual path
+        assert all(blk.attn.fused_attn for blk in blocks)
+        model.forward_plain(torch.randn(1, 3, 224, 224))
+        assert calls["drop1"] == 1 and calls["block1"] == calls["mlp1"] == 1
     finally:
-        for h in (h1, h2, h3):
+        for h in hooks:
             h.remove()
-    # forward_plain stays fused: no hook on the manual path fires
-    model.forward_plain(torch.randn(1, 3, 224, 224))
-    assert calls["drop1"] == 1
 
 
 def test_keys_and_reduced_captures():
