@@ -1,8 +1,9 @@
 """The Python API: ``segment.load(...)`` gives a :class:`Segmenter`; calling it on images
 gives :class:`Result` objects. The ``segment`` command runs through the same object
 (:class:`segment.pipeline.SegmentRun` calls :meth:`Segmenter.preprocess`,
-:meth:`Segmenter.forward` and :meth:`Segmenter.postprocess`), so the masks of the API and
-of the command cannot drift apart.
+:meth:`Segmenter.extract`, :meth:`Segmenter.apply` and :meth:`Segmenter.postprocess`, the
+stages of :meth:`Segmenter.forward`), so the masks of the API and of the command cannot
+drift apart.
 
 Example::
 
@@ -318,19 +319,26 @@ class Segmenter:
 
     def forward(self, pixels: Tensor | Sequence[Tensor]) -> Batch:
         """Preprocessed ``(B, 3, H', W')`` (or a list of ``(3, H', W')`` of one size) ->
-        the method's output on the grid (on the CPU) and the attention record."""
+        the method's output on the grid (on the CPU) and the attention record: :meth:`extract`
+        then :meth:`apply` (the command runs the two in different threads)."""
+        record = self.extract(pixels)
+        return Batch(out=self.apply(record), record=record)
+
+    def extract(self, pixels: Tensor | Sequence[Tensor]) -> AttentionRecord:
+        """The backbone's forward with the method's capture: the batch's attention record."""
         if not isinstance(pixels, Tensor):
             pixels = torch.stack(list(pixels))
         with torch.no_grad():
-            record = self.backbone.extract(pixels, self.capture)
+            return self.backbone.extract(pixels, self.capture)
+
+    def apply(self, record: AttentionRecord) -> MethodOutput:
+        """The method on a batch's attention record; its output on the CPU."""
+        with torch.no_grad():
             out = self.method(record)
-        return Batch(
-            out=MethodOutput(
-                heatmap=out.heatmap.detach().float().cpu(),
-                labels=None if out.labels is None else out.labels.detach().cpu(),
-                foreground=None if out.foreground is None else out.foreground.detach().cpu(),
-            ),
-            record=record,
+        return MethodOutput(
+            heatmap=out.heatmap.detach().float().cpu(),
+            labels=None if out.labels is None else out.labels.detach().cpu(),
+            foreground=None if out.foreground is None else out.foreground.detach().cpu(),
         )
 
     @staticmethod

@@ -5,7 +5,9 @@ Flow (:func:`run_segment`)::
     find_images ──> plan (resume: skip images whose record is current)
         ──> build the Segmenter (segment.api: backbone + method; the Python API's object)
     ──> loader threads: read + EXIF + RGB + Segmenter.preprocess       (overlapped)
-        ──> main thread: batches of one preprocessed size -> Segmenter.forward
+        ──> main thread: batches of one preprocessed size -> Segmenter.extract
+        ──> method thread: Segmenter.apply on each batch's attention record (batch i
+            while the main thread runs the forward of batch i + 1)
         ──> writer threads: Segmenter.postprocess at the original size, files, record
     ──> annotations.json, index.html, run.json from the records of every image
 
@@ -40,6 +42,8 @@ import time
 import warnings
 from collections import OrderedDict, deque
 from collections.abc import Iterator
+import threading
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -65,6 +69,7 @@ from segment.io import (
     read_image,
 )
 from segment.masks import MethodOutput
+from segment.record import AttentionRecord
 from segment.outputs import (
     ImageRecord,
     RenderOptions,
@@ -88,6 +93,10 @@ from segment.utils import (
 log = logging.getLogger(__name__)
 
 EXIT_NOTHING_DONE = EXIT_FAILED
+
+
+class _ModelFailed(Exception):
+    """The model or method could not run on an image (the message says why)."""
 
 
 @dataclass
@@ -126,7 +135,8 @@ class _Timings:
     processing_s: float = 0.0
     summary_s: float = 0.0
     read_s: float = 0.0  # summed over loader threads
-    model_s: float = 0.0  # extract + method, main thread
+    model_s: float = 0.0  # backbone forward with capture (Segmenter.extract), main thread
+    method_s: float = 0.0  # the method on the records (Segmenter.apply), method thread
     write_s: float = 0.0  # summed over writer threads
     wait_input_s: float = 0.0  # main thread waiting for decoded images
     extra: dict[str, float] = field(default_factory=dict)
@@ -228,6 +238,7 @@ class SegmentRun:
         self.device: torch.device | None = None
         self.pin_memory = False  # set in _build: True when the backbone is on CUDA
         self.input_device = torch.device("cpu")  # where the backbone wants its pixels
+        self._extracting = threading.Lock()  # one capture at a time (the hooks are per model)
         self.t = _Timings()
         self.statuses: dict[str, _Status] = {}
         self.records: dict[str, ImageRecord] = {}
@@ -428,14 +439,35 @@ class SegmentRun:
         item.read_s = time.perf_counter() - t0
         return item
 
-    def _forward(self, items: list[_Item]) -> MethodOutput:
-        """Main thread: one batch of one preprocessed size through the Segmenter (the
-        attention record is dropped here; the API keeps it). On CUDA the pinned images are
-        copied asynchronously and stacked on the device."""
+    def _extract(self, items: list[_Item]) -> AttentionRecord:
+        """The attention record of one batch of one preprocessed size (main thread; the
+        method thread when it redoes a failed batch image by image: one at a time, as the
+        backbone's capture hooks are per model). On CUDA the pinned images are copied
+        asynchronously and stacked on the device."""
         pixels = [it.pixels for it in items]
         if self.pin_memory:
             pixels = [p.to(self.input_device, non_blocking=True) for p in pixels]
-        return self.segmenter.forward(pixels).out
+        with self._extracting:
+            return self.segmenter.extract(pixels)
+
+    def _apply(self, items: list[_Item], held: list[AttentionRecord]) -> list[tuple[MethodOutput, int] | str]:
+        """Method thread: the method on a batch's record. Returns per image its output and
+        index in it, or why the model failed: a batch that fails (e.g. out of memory) is
+        redone one image at a time. ``held`` is ``[record]``, emptied here: nothing else
+        keeps the record, so a failed batch's memory is free before the retries."""
+        t0 = time.perf_counter()
+        try:
+            out = self.segmenter.apply(held.pop() if held else self._extract(items))
+        except Exception as e:
+            if len(items) == 1:
+                log.debug("model failed on %s", items[0].file.name, exc_info=True)
+                return [f"model failed ({_describe(e)})"]
+            log.warning("a batch of %d failed (%s); retrying one image at a time", len(items), _describe(e))
+        else:
+            return [(out, i) for i in range(len(items))]
+        finally:
+            self.t.method_s += time.perf_counter() - t0
+        return [got for it in items for got in self._apply([it], [])]
 
     def _write(self, item: _Item, out: MethodOutput, index: int) -> ImageRecord:
         """Writer thread: post-process at the original size, write files and record."""
@@ -462,12 +494,18 @@ class SegmentRun:
         max_held = 4 * self.batch_size  # images waiting in partly filled batches
         loader = ThreadPoolExecutor(self.num_workers, thread_name_prefix="segment-read")
         writer = ThreadPoolExecutor(self.num_workers, thread_name_prefix="segment-write")
-        writes: deque[tuple[_Item, Future]] = deque()
+        # one method thread: the method of batch i runs while the main thread extracts batch
+        # i + 1; one method at a time, so at most two records are held
+        methods = ThreadPoolExecutor(1, thread_name_prefix="segment-method")
+        running: deque[Future] = deque(maxlen=1)
+        writes: deque[tuple[_Item, Future]] = deque()  # appended by the method thread
         buckets: OrderedDict[tuple[int, ...], list[_Item]] = OrderedDict()
 
         def finish_write(item: _Item, fut: Future) -> None:
             try:
                 rec = fut.result()
+            except _ModelFailed as e:
+                self._fail_item(item, str(e))
             except Exception as e:
                 log.debug("writing %s failed", item.file.name, exc_info=True)
                 self._fail_item(item, f"writing outputs failed ({_describe(e)})")
@@ -482,10 +520,25 @@ class SegmentRun:
             while len(writes) > limit:
                 finish_write(*writes.popleft())
 
+        def method_then_write(items: list[_Item], held: list[AttentionRecord]) -> None:
+            for it, got in zip(items, self._apply(items, held)):
+                it.pixels = None
+                if isinstance(got, str):  # a failure, reported like the writes (main thread)
+                    fut: Future = Future()
+                    fut.set_exception(_ModelFailed(got))
+                else:
+                    fut = writer.submit(self._write, it, *got)
+                writes.append((it, fut))
+
+        def wait_method() -> None:
+            """Until the running method is done; re-raises what ended it (Ctrl-C in it)."""
+            if running:
+                running.pop().result()
+
         def run_batch(items: list[_Item]) -> None:
             t0 = time.perf_counter()
             try:
-                out = self._forward(items)
+                record = self._extract(items)
             except Exception as e:
                 if len(items) > 1:  # e.g. out of memory: retry one by one
                     log.warning("a batch of %d failed (%s); retrying one image at a time", len(items), _describe(e))
@@ -498,9 +551,9 @@ class SegmentRun:
                 return
             finally:
                 self.t.model_s += time.perf_counter() - t0
-            for i, it in enumerate(items):
-                it.pixels = None
-                writes.append((it, writer.submit(self._write, it, out, i)))
+            wait_method()
+            running.append(methods.submit(method_then_write, items, [record]))
+            del record  # the method thread holds the only reference
             drain(max_pending_writes)
 
         def loaded_items() -> Iterator[_Item]:
@@ -536,9 +589,11 @@ class SegmentRun:
                         run_batch(buckets.pop(max(buckets, key=lambda k: len(buckets[k]))))
                 for key in list(buckets):
                     run_batch(buckets.pop(key))
+                wait_method()
                 drain(0)
         except KeyboardInterrupt:
             loader.shutdown(wait=False, cancel_futures=True)
+            futures.wait(running)  # its batch's outputs join the writes below
             for it, fut in writes:  # files being written are completed (each write is atomic)
                 if fut.cancel():
                     continue
@@ -547,6 +602,7 @@ class SegmentRun:
             raise
         finally:
             loader.shutdown(wait=True, cancel_futures=True)
+            methods.shutdown(wait=True)
             writer.shutdown(wait=True)
             bar.close()
 

@@ -144,23 +144,29 @@ def test_show_draws_the_overlay():
 
 
 def test_pipeline_computes_through_the_segmenter(tmp_path, monkeypatch):
-    """run_segment's batches go through Segmenter.forward/postprocess (one code path)."""
+    """run_segment's batches go through the stages of Segmenter.forward (extract, apply) and
+    Segmenter.postprocess (one code path)."""
     from hydra import compose, initialize_config_module
 
     from segment.pipeline import run_segment
 
-    calls = {"forward": 0, "post": 0}
-    fwd, post = Segmenter.forward, Segmenter.postprocess
+    calls = {"extract": 0, "apply": 0, "post": 0}
+    ext, app, post = Segmenter.extract, Segmenter.apply, Segmenter.postprocess
 
-    def forward(self, pixels):
-        calls["forward"] += 1
-        return fwd(self, pixels)
+    def extract(self, pixels):
+        calls["extract"] += 1
+        return ext(self, pixels)
+
+    def apply(self, record):
+        calls["apply"] += 1
+        return app(self, record)
 
     def postprocess(out, index, size):
         calls["post"] += 1
         return post(out, index, size)
 
-    monkeypatch.setattr(Segmenter, "forward", forward)
+    monkeypatch.setattr(Segmenter, "extract", extract)
+    monkeypatch.setattr(Segmenter, "apply", apply)
     monkeypatch.setattr(Segmenter, "postprocess", staticmethod(postprocess))
     src = tmp_path / "in"
     src.mkdir()
@@ -170,7 +176,7 @@ def test_pipeline_computes_through_the_segmenter(tmp_path, monkeypatch):
         cfg = compose("segment", overrides=[f"input={src}", f"output={tmp_path / 'o'}", "model=vit_tiny_random",
                                             "device=cpu", "batch_size=2", "progress=false", "render.fsync=false"])
     assert run_segment(cfg) == 0
-    assert calls == {"forward": 3, "post": 5}
+    assert calls == {"extract": 3, "apply": 3, "post": 5}
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
