@@ -156,7 +156,7 @@ class Result:
         return cls(
             mask=seg.mask.astype(bool, copy=False),
             heatmap=seg.heatmap.astype(np.float32, copy=False),
-            labels=None if seg.labels is None else seg.labels.astype(np.int32),
+            labels=None if seg.labels is None else seg.labels.astype(np.int32, copy=False),
             foreground=None if seg.foreground is None else seg.foreground.astype(bool, copy=False),
             **kwargs,
         )
@@ -164,7 +164,7 @@ class Result:
     def segmentation(self) -> Segmentation:
         """Back to the command's :class:`~segment.outputs.Segmentation` (for the writers)."""
         return Segmentation(heatmap=self.heatmap, mask=self.mask,
-                            labels=None if self.labels is None else self.labels.astype(np.int64),
+                            labels=None if self.labels is None else self.labels.astype(np.int32, copy=False),
                             foreground=self.foreground)
 
     def show(self, alpha: float = 0.6) -> Image.Image:

@@ -104,6 +104,27 @@ def test_palette_distinct_and_colorize():
         RenderOptions(colormap="nope")
 
 
+def test_quantize_rounds_half_to_even_and_saturates():
+    # the one-pass OpenCV conversion equals the definition round(255 R) with numpy's
+    # round-half-to-even, on exact float32 ties and their neighbours, and saturates
+    ties = ((np.arange(256) + 0.5) / 255).astype(np.float32)
+    near = [np.nextafter(ties, np.float32(d)) for d in (-1, 2)]
+    rng = np.random.default_rng(0)
+    r = np.concatenate([ties, *near, rng.random(20000, dtype=np.float32),
+                        np.float32([0.0, 1.0, -0.3, 1.7])]).reshape(1, -1)
+    assert (np.float32(255) * r == np.floor(np.float32(255) * r) + 0.5).sum() > 100  # real ties
+    want = np.clip(np.rint(r * 255.0), 0, 255).astype(np.uint8)
+    np.testing.assert_array_equal(outputs.quantize(r), want)
+
+
+@pytest.mark.parametrize("k", [7, 256, 300])
+def test_region_colors_are_the_palette_gather(k):
+    lab = np.random.default_rng(k).integers(0, k, (23, 31)).astype(np.int32)
+    got = outputs.region_colors(lab, k)
+    assert got.dtype == np.uint8 and got.flags.c_contiguous
+    np.testing.assert_array_equal(got, palette(k)[lab])
+
+
 def test_label_image_indexed_png(tmp_path):
     lab = np.array([[0, 1], [2, 3]])
     im = label_image(lab, 4)
