@@ -78,13 +78,20 @@ def to_masks(out: MethodOutput, size: tuple[int, int]) -> tuple[Tensor, Tensor]:
     Heatmap methods threshold ``R`` at its mean; region methods take the union of their
     foreground regions.
     """
+    r, mask, _ = to_masks_and_labels(out, size)
+    return r, mask
+
+
+def to_masks_and_labels(out: MethodOutput, size: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor | None]:
+    """:func:`to_masks` and the image-sized labels it read (nearest, :func:`labels_at`;
+    ``None`` for heatmap methods)."""
     r = heatmap_at(out.heatmap, size)
     if out.labels is None:
-        return r, threshold_mean(r)
+        return r, threshold_mean(r), None
     lab = labels_at(out.labels, size)
     fg = out.foreground.to(lab.device)
     k = fg.shape[1]
     if int(lab.max()) >= k or int(lab.min()) < 0:
         raise ValueError(f"labels must lie in [0, {k}) to index foreground (B, {k})")
     mask = torch.gather(fg, 1, lab.flatten(1)).view_as(lab)
-    return r, mask
+    return r, mask, lab

@@ -42,7 +42,7 @@ import torch
 from PIL import Image
 from pycocotools import mask as mask_utils
 
-from segment.masks import MethodOutput, labels_at, to_masks
+from segment.masks import MethodOutput, to_masks_and_labels
 from segment.utils import atomic_path, atomic_write_bytes, atomic_write_json, atomic_write_text
 
 FOREGROUND_ID = 1
@@ -125,7 +125,7 @@ class Segmentation:
 def postprocess(out: MethodOutput, index: int, size: tuple[int, int]) -> Segmentation:
     """Image ``index`` of a batch output at ``size = (H, W)`` with the protocol's rule.
 
-    Uses :func:`segment.masks.to_masks` (bilinear upsampling, min-max, threshold at the mean;
+    Uses :func:`segment.masks.to_masks_and_labels` (bilinear upsampling, min-max, threshold at the mean;
     union of foreground regions for region methods) and nearest upsampling of the labels.
     """
     one = MethodOutput(
@@ -133,10 +133,10 @@ def postprocess(out: MethodOutput, index: int, size: tuple[int, int]) -> Segment
         labels=None if out.labels is None else out.labels[index : index + 1].cpu(),
         foreground=None if out.foreground is None else out.foreground[index : index + 1].cpu(),
     )
-    r, mask = to_masks(one, size)
+    r, mask, lab = to_masks_and_labels(one, size)
     labels = fg = None
-    if one.labels is not None:
-        labels = labels_at(one.labels, size)[0].int().numpy()
+    if lab is not None:
+        labels = lab[0].int().numpy()
         fg = one.foreground[0].bool().numpy()
     return Segmentation(heatmap=r[0].numpy(), mask=mask[0].numpy(), labels=labels, foreground=fg)
 
