@@ -347,22 +347,26 @@ def pixel_chain_refine(
     out = torch.empty_like(x)
     # a few images at a time (up to _REFINE_PIXELS pixels: their maps stay in cache; one
     # image at 448 px), and only their nonzero maps: the zero slots of a padded batch stay
-    # zero under any bounce
+    # zero under any bounce. Every image's maps are refined on their own (elementwise per
+    # image and map), so images with as many maps are grouped: fewer zero maps ride along
     h, w = x.shape[-2:]
     chunk = max(1, _REFINE_PIXELS // (h * w))
+    known = nonzero.to(x.device) if nonzero is not None else x.flatten(2).any(2)  # (B, K)
+    order = torch.argsort(known.sum(1), descending=True, stable=True)
     for i in range(0, x.shape[0], chunk):
-        part = x[i: i + chunk]
-        known = nonzero[i: i + chunk] if nonzero is not None else part.flatten(2).any(2)
-        live: Tensor | slice = known.any(0).nonzero()[:, 0]
+        idx = order[i: i + chunk]
+        live: Tensor = known[idx].any(0).nonzero()[:, 0]
+        if not live.numel():
+            out[idx] = 0
+            continue
+        refined = _pixel_chain_steps(x[idx][:, live], image[idx].float(), offsets, r, sigma_space,
+                                     sigma_color, int(steps))
         if live.numel() == x.shape[1]:
-            live = slice(None)  # every map: views, no gather
+            out[idx] = refined
         else:
-            out[i: i + chunk].zero_()
-            if not live.numel():
-                continue
-        out[i: i + chunk, live] = _pixel_chain_steps(
-            part[:, live], image[i: i + chunk].float(), offsets, r, sigma_space, sigma_color,
-            int(steps))
+            part = torch.zeros((idx.numel(), *x.shape[1:]), dtype=x.dtype, device=x.device)
+            part[:, live] = refined
+            out[idx] = part
     return out
 
 
