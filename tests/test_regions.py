@@ -754,6 +754,24 @@ def test_pixel_chain_refine_matches_a_float64_reference(radius, dilation):
     assert torch.equal(told, got)  # the caller's nonzero maps: the same result
 
 
+def test_pixel_chain_refine_batch_equals_images_one_by_one(monkeypatch):
+    # images with different numbers of live maps, several per chunk (grouped by count): every
+    # image's result is the one it gets alone, bit for bit, and its zero maps stay zero
+    monkeypatch.setattr(rg, "_REFINE_PIXELS", 3 * 17 * 21)  # chunks of 3 images
+    g = torch.Generator().manual_seed(3)
+    image = torch.rand(7, 3, 17, 21, generator=g)
+    prob = torch.softmax(torch.randn(7, 6, 17, 21, generator=g) * 2, 1)
+    live = [6, 2, 4, 1, 6, 3, 0]
+    for i, k in enumerate(live):
+        prob[i, k:] = 0
+    kw = dict(radius=4, dilation=2, sigma_space=4.0, sigma_color=0.2, steps=2)
+    got = rg.pixel_chain_refine(prob, image, nonzero=prob.flatten(2).any(2), **kw)
+    for i, k in enumerate(live):
+        alone = rg.pixel_chain_refine(prob[i: i + 1, :max(k, 1)], image[i: i + 1], **kw)
+        assert torch.equal(got[i, :k], alone[0, :k])
+        assert torch.count_nonzero(got[i, k:]) == 0
+
+
 @pytest.mark.parametrize("radius,dilation", [(3, 1), (3, 2)])  # with and without the zero offset
 def test_pixel_chain_refine_survives_colour_weights_that_underflow(radius, dilation):
     # one-pixel stripes at sigma_color 0.01: exp(-|dI|^2 / 2 sigma^2) is 0 in float32 for
