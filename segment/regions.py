@@ -217,21 +217,33 @@ def _leaders(dist: Tensor, valid: Tensor, threshold: float) -> Tensor:
     every unassigned valid slot closer than ``threshold`` to it (not transitively: a chain
     of small steps does not merge distant proposals). The KL matrix is computed once, all
     images at once; the sequential sweep over leaders runs on its ``(S, S)`` threshold
-    pattern, one image at a time on the CPU. Returns ``(B, S)`` the leader index of every
-    slot (invalid slots point to themselves).
+    pattern, one image at a time on the CPU, with every row of the pattern and the free
+    slots as bit sets (Python integers: one operation per leader, not one per slot).
+    Returns ``(B, S)`` the leader index of every slot (invalid slots point to themselves).
     """
     b, s, _ = dist.shape
     near = (symmetric_kl(dist, dist) < threshold).cpu().numpy()  # (B, S, S)
-    free_all = valid.cpu().numpy().copy()
+    free_all = valid.cpu().numpy()
+    nbytes = (s + 7) // 8
+    rows = np.packbits(near, axis=-1, bitorder="little")  # (B, S, nbytes): bit j of row i
+    frees = np.packbits(free_all, axis=-1, bitorder="little")
     lab = np.tile(np.arange(s), (b, 1))
     for i in range(b):
-        free, row = free_all[i], lab[i]
-        while free.any():
-            lead = int(free.argmax())  # the first free slot
-            take = near[i, lead] & free
-            take[lead] = True
-            row[take] = lead
+        raw = rows[i].tobytes()
+        bits = [int.from_bytes(raw[j * nbytes: (j + 1) * nbytes], "little") for j in range(s)]
+        free = int.from_bytes(frees[i].tobytes(), "little")
+        leads, takes = [], []
+        while free:
+            lead = (free & -free).bit_length() - 1  # the first free slot
+            take = (bits[lead] & free) | (1 << lead)
             free &= ~take
+            leads.append(lead)
+            takes.append(take.to_bytes(nbytes, "little"))
+        if leads:  # every taken slot belongs to exactly one leader
+            member = np.unpackbits(np.frombuffer(b"".join(takes), np.uint8).reshape(len(leads), nbytes),
+                                   axis=-1, count=s, bitorder="little").astype(bool)
+            taken = member.any(0)
+            lab[i, taken] = np.asarray(leads)[member.argmax(0)[taken]]
     return torch.from_numpy(lab).to(dist.device)
 
 
