@@ -125,8 +125,9 @@ class Segmentation:
 def postprocess(out: MethodOutput, index: int, size: tuple[int, int]) -> Segmentation:
     """Image ``index`` of a batch output at ``size = (H, W)`` with the protocol's rule.
 
-    Uses :func:`segment.masks.to_masks_and_labels` (bilinear upsampling, min-max, threshold at the mean;
-    union of foreground regions for region methods) and nearest upsampling of the labels.
+    Uses :func:`segment.masks.to_masks_and_labels`: bilinear upsampling, min-max, threshold
+    at the mean (the union of foreground regions for region methods), the labels upsampled
+    by nearest neighbour.
     """
     one = MethodOutput(
         heatmap=out.heatmap[index : index + 1].float().cpu(),
