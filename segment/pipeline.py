@@ -38,11 +38,11 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 import warnings
 from collections import OrderedDict, deque
 from collections.abc import Iterator
-import threading
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -69,7 +69,6 @@ from segment.io import (
     read_image,
 )
 from segment.masks import MethodOutput
-from segment.record import AttentionRecord
 from segment.outputs import (
     ImageRecord,
     RenderOptions,
@@ -81,6 +80,7 @@ from segment.outputs import (
     write_image,
     write_manifest,
 )
+from segment.record import AttentionRecord
 from segment.utils import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -531,9 +531,11 @@ class SegmentRun:
                 writes.append((it, fut))
 
         def wait_method() -> None:
-            """Until the running method is done; re-raises what ended it (Ctrl-C in it)."""
+            """Until the running method is done; re-raises what ended it (Ctrl-C in it). It
+            stays in ``running`` until then, so a Ctrl-C meanwhile still waits for it."""
             if running:
-                running.pop().result()
+                running[0].result()
+                running.clear()
 
         def run_batch(items: list[_Item]) -> None:
             t0 = time.perf_counter()
