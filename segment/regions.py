@@ -371,8 +371,8 @@ def pixel_chain_refine(
         if not live.numel():
             out[idx] = 0
             continue
-        refined = _pixel_chain_steps(x[idx][:, live], image[idx].float(), offsets, r, sigma_space,
-                                     sigma_color, int(steps))
+        refined = _pixel_chain_steps(x[idx[:, None], live], image[idx].float(), offsets, r,
+                                     sigma_space, sigma_color, int(steps))  # one gather
         if live.numel() == x.shape[1]:
             out[idx] = refined
         else:
