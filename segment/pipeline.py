@@ -459,15 +459,24 @@ class SegmentRun:
         try:
             out = self.segmenter.apply(held.pop() if held else self._extract(items))
         except Exception as e:
-            if len(items) == 1:
-                log.debug("model failed on %s", items[0].file.name, exc_info=True)
-                return [f"model failed ({_describe(e)})"]
-            log.warning("a batch of %d failed (%s); retrying one image at a time", len(items), _describe(e))
+            reason = self._batch_failed(items, e)
+            if reason is not None:
+                return [reason]
         else:
             return [(out, i) for i in range(len(items))]
         finally:
             self.t.method_s += time.perf_counter() - t0
         return [got for it in items for got in self._apply([it], [])]
+
+    @staticmethod
+    def _batch_failed(items: list[_Item], e: Exception) -> str | None:
+        """The model failed on ``items``: the reason for a single image, or ``None`` (logged)
+        for a batch, which is then redone one image at a time (e.g. out of memory)."""
+        if len(items) == 1:
+            log.debug("model failed on %s", items[0].file.name, exc_info=True)
+            return f"model failed ({_describe(e)})"
+        log.warning("a batch of %d failed (%s); retrying one image at a time", len(items), _describe(e))
+        return None
 
     def _write(self, item: _Item, out: MethodOutput, index: int) -> ImageRecord:
         """Writer thread: post-process at the original size, write files and record."""
@@ -542,14 +551,13 @@ class SegmentRun:
             try:
                 record = self._extract(items)
             except Exception as e:
-                if len(items) > 1:  # e.g. out of memory: retry one by one
-                    log.warning("a batch of %d failed (%s); retrying one image at a time", len(items), _describe(e))
+                reason = self._batch_failed(items, e)
+                if reason is None:
                     for it in items:
                         run_batch([it])
-                    return
-                log.debug("model failed on %s", items[0].file.name, exc_info=True)
-                self._fail_item(items[0], f"model failed ({_describe(e)})")
-                bar.update(1)
+                else:
+                    self._fail_item(items[0], reason)
+                    bar.update(1)
                 return
             finally:
                 self.t.model_s += time.perf_counter() - t0
