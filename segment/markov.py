@@ -540,9 +540,10 @@ def lambda2(
     *,
     method: Literal["auto", "krylov", "dense"] = "auto",
     tol: float = 1e-5,
-    block: int = 2,
-    passes: int = 16,
-    max_cycles: int = 20,
+    block: int = 1,
+    passes: int = 20,
+    keep: int = 10,
+    max_cycles: int = 60,
     return_info: bool = False,
     seed: int = 0,
 ) -> Tensor | Lambda2Result:
@@ -552,11 +553,12 @@ def lambda2(
     eigendecomposition. The sum-zero row vectors ``{y : y 1 = 0}`` form an *invariant*
     subspace of ``y -> y A`` (``(y A) 1 = y (A 1) = y 1 = 0``) on which the operator has
     exactly the eigenvalues ``lambda_2 .. lambda_N``: no deflation error, no need to know
-    the stationary vector. A restarted block Krylov iteration runs there: each cycle
-    builds an orthonormal basis of ``passes`` blocks of ``block`` rows with batched
+    the stationary vector. A thick-restarted block Krylov iteration runs there: each cycle
+    extends an orthonormal basis to ``passes`` blocks of ``block`` rows with batched
     ``(block x N) @ (N x N)`` products, takes the Rayleigh-Ritz values of the small
-    projected matrix in float64, and restarts from the leading Ritz vectors. All of it is
-    batched matmuls and small QR / eig, on CPU or CUDA.
+    projected matrix in float64, and restarts from the ``keep`` leading Ritz vectors plus
+    the next Krylov block (Krylov-Schur). All of it is batched matmuls and small QR / eig,
+    on CPU or CUDA.
 
     ``method="auto"`` (default) is a cascade that keeps the answer within ``1e-4`` of a
     dense float64 eigendecomposition: fp32 Krylov for every element; float64 Krylov for
@@ -582,9 +584,12 @@ def lambda2(
         method: ``"auto"``, ``"krylov"`` (fast path in the input's compute dtype only) or
             ``"dense"`` (float64 ``eigvals``).
         tol: relative residual and modulus-change tolerance of the fast path.
-        block: rows per Krylov block.
+        block: rows per Krylov block (1: Arnoldi, the fewest products on real heads).
         passes: blocks per cycle (the basis has ``block * passes`` rows).
-        max_cycles: restart cycles per precision before giving up.
+        keep: Ritz vectors kept at a restart: even (whole conjugate pairs always fit), a
+            multiple of ``block`` and ``<= (passes - 1) * block``.
+        max_cycles: restart cycles per precision before giving up (a thick restart adds
+            ``passes * block - keep`` products, so 60 cycles of the defaults are 600).
         return_info: return a :class:`Lambda2Result` instead of the values.
         seed: seed of the random start block (results are deterministic).
 
@@ -593,6 +598,13 @@ def lambda2(
     """
     if method not in ("auto", "krylov", "dense"):
         raise ValueError(f"method must be 'auto', 'krylov' or 'dense', got {method!r}")
+    if block < 1 or passes < 3:
+        raise ValueError(f"lambda2 needs block >= 1 and passes >= 3, got block={block}, passes={passes}")
+    if keep % 2 or keep % block or not 2 <= keep <= (passes - 1) * block:
+        raise ValueError(
+            f"keep must be even, a multiple of block ({block}) and in [2, (passes - 1) * block]"
+            f" = [2, {(passes - 1) * block}], got {keep}"
+        )
     x = _chain(attn)
     batch, n = attn.shape[:-2], attn.shape[-1]
     if n < 2:
@@ -611,7 +623,7 @@ def lambda2(
             dense=torch.ones(m, dtype=torch.bool, device=dev),
         )
     else:
-        kw = dict(tol=tol, block=block, passes=passes, max_cycles=max_cycles, seed=seed)
+        kw = dict(tol=tol, block=block, passes=passes, keep=keep, max_cycles=max_cycles, seed=seed)
         res = _lambda2_krylov(x, **kw)
         if method == "auto":
             bad = (~res.converged).nonzero().squeeze(-1)
@@ -635,80 +647,153 @@ def lambda2(
 def _orth_rows(z: Tensor, basis: Tensor | None, gen: torch.Generator) -> Tensor:
     """Orthonormal, sum-zero rows spanning ``z`` (M, b, N) minus its part in ``basis``.
 
-    Block Gram-Schmidt + QR, repeated while a round still removes more than half of some
-    row ("twice is enough" unless cancellation is severe, DGKS criterion). A row that lies
-    in the span of ``basis`` (an invariant subspace was reached) leaves only rounding noise
-    after projection; QR turns it into some unit direction and the further rounds make it
-    orthogonal, so the subspace still grows. Rows still failing after a few rounds are
-    replaced by random directions.
+    Block Gram-Schmidt + QR (a normalisation for one row), repeated while a round still
+    removes more than half of some row ("twice is enough" unless cancellation is severe,
+    DGKS criterion). A row that lies in the span of ``basis`` (an invariant subspace was
+    reached) leaves only rounding noise after projection; QR turns it into some unit
+    direction and the further rounds make it orthogonal, so the subspace still grows. Rows
+    still failing after a few rounds, and exact zeros, are replaced by random directions.
     """
 
+    bt = basis.transpose(1, 2) if basis is not None else None
+
     def project(v: Tensor) -> Tensor:
-        if basis is not None:
-            v = v - torch.bmm(torch.bmm(v, basis.transpose(1, 2)), basis)
+        if basis is not None:  # v - (v B^T) B in one fused call
+            v = torch.baddbmm(v, torch.bmm(v, bt), basis, alpha=-1)
         return v - v.mean(-1, keepdim=True)
 
+    one = z.shape[1] == 1
+    before = z.norm(dim=-1)
     for rnd in range(6):
-        before = z.norm(dim=-1)
         p = project(z)
-        ok = p.norm(dim=-1) >= 0.5 * before
+        after = p.norm(dim=-1)
+        ok = after >= 0.5 * before
         if rnd == 5 and not bool(ok.all()):  # give up on those rows: fresh directions
             p = p.clone()
             bad = ~ok
             p[bad] = project(torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device))[bad]
-        q, _ = torch.linalg.qr(p.transpose(1, 2))
-        z = q.transpose(1, 2)
+            after = p.norm(dim=-1)
+        if one:  # one row: QR is a normalisation (an exact zero: a fresh direction)
+            zero = after <= torch.finfo(p.dtype).tiny
+            if bool(zero.any()):
+                fresh = project(torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device))
+                p = torch.where(zero.unsqueeze(-1), fresh, p)
+                after = p.norm(dim=-1)
+            z = p / after.unsqueeze(-1)
+        else:
+            q, _ = torch.linalg.qr(p.transpose(1, 2))
+            z = q.transpose(1, 2)
+        before = torch.ones_like(after)  # the rows are unit vectors now
         if rnd >= 1 and bool(ok.all()):
             break
     return z
 
 
-def _top_ritz(basis: Tensor, images: Tensor, prev: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _top_ritz(
+    basis: Tensor, images: Tensor, prev: int, tol: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Rayleigh-Ritz on row space ``basis`` (M, d, N) with ``images = basis @ A``.
 
     A row vector ``y = c @ basis`` maps to ``y A = c @ images``, whose projection back onto
     the span is ``c @ G`` with ``G = images @ basis^T``: the Ritz pairs are the left
-    eigenpairs of ``G`` (float64). The projection onto the first ``prev`` rows alone is the
-    leading ``prev x prev`` block of the same ``G``.
+    eigenpairs of ``G`` (eigendecomposed in float64). The projection onto the first
+    ``prev`` rows alone is the leading ``prev x prev`` block of the same ``G``.
 
     Returns:
         Ritz values sorted by decreasing modulus ``(M, d)`` (complex128), their coefficient
         vectors as columns ``(M, d, d)``, the relative residual ``|y A - theta y| / |y|``
         of the top pair ``(M,)``, and the largest Ritz modulus on the first ``prev`` rows
-        ``(M,)`` (values only).
+        ``(M,)``, computed only where the residual is within ``tol`` (elsewhere the element
+        is not converged whatever it is, and the value is ``inf``).
     """
-    b64, i64 = basis.double(), images.double()
-    g = torch.bmm(i64, b64.transpose(1, 2))
+    # products in the basis' own dtype: its rounding is already in basis and images, and
+    # converting both to float64 cost more than the eigendecompositions
+    g = torch.bmm(images, basis.transpose(1, 2)).double()
     theta, vecs = torch.linalg.eig(g.transpose(1, 2))
     order = theta.abs().argsort(-1, descending=True)
     theta = theta.gather(1, order)
     vecs = vecs.gather(2, order.unsqueeze(1).expand_as(vecs))
-    c = vecs[:, :, :1].transpose(1, 2)  # (M, 1, d)
-    y = torch.complex(torch.bmm(c.real, b64), torch.bmm(c.imag, b64))
-    ya = torch.complex(torch.bmm(c.real, i64), torch.bmm(c.imag, i64))
-    r = (ya - theta[:, :1, None] * y).abs().norm(dim=(-1, -2))
-    r = r / y.abs().norm(dim=(-1, -2)).clamp_min(1e-300)
-    prev_mod = torch.linalg.eigvals(g[:, :prev, :prev]).abs().amax(-1)
+    c = vecs[:, :, :1].transpose(1, 2).to(torch.complex128 if basis.dtype == torch.float64 else torch.complex64)
+    y = torch.complex(torch.bmm(c.real, basis), torch.bmm(c.imag, basis))
+    ya = torch.complex(torch.bmm(c.real, images), torch.bmm(c.imag, images))
+    r = (ya - theta[:, :1, None].to(y.dtype) * y).abs().norm(dim=(-1, -2)).double()
+    r = r / y.abs().norm(dim=(-1, -2)).double().clamp_min(1e-300)
+    prev_mod = torch.full_like(r, float("inf"))
+    near = (r <= tol).nonzero().squeeze(-1)
+    if near.numel():
+        sub = g.index_select(0, near)[:, :prev, :prev]
+        prev_mod[near] = torch.linalg.eigvals(sub).abs().amax(-1)
     return theta, vecs, r, prev_mod
 
 
-def _lambda2_krylov(
-    x: Tensor, *, tol: float, block: int, passes: int, max_cycles: int, seed: int
-) -> Lambda2Result:
-    """Restarted block Krylov on the sum-zero rows of ``x`` (M, N, N), in ``x.dtype``.
+def _restart_coefficients(theta: Tensor, vecs: Tensor, k: int) -> Tensor:
+    """Orthonormal real coefficients ``(M, d, k)`` spanning whole leading Ritz pairs.
 
-    Each cycle builds ``basis = [X; X' ; ...]`` of ``passes`` blocks of ``block`` rows
-    (each block the previous block's image ``@ A``, orthogonalised), so the work is
-    ``passes - 1`` batched ``(block x N) @ (N x N)`` products per cycle. An element is
-    converged when its top Ritz pair has a relative residual below ``tol`` and adding the
-    last block changed the top modulus by less than ``tol``. Otherwise the next cycle
-    restarts from the real span of its ``block`` leading Ritz vectors (their images are
-    linear combinations of known images, so a restart costs no product).
+    ``theta`` (M, d) are Ritz values sorted by decreasing modulus and ``vecs`` (M, d, d) their
+    coefficient vectors. A real Ritz value gives one real column, a conjugate pair the real
+    and imaginary parts of its first member (the pair's real span). The kept span must be
+    a union of whole Ritz pairs: only then is every residual inside the next Krylov block
+    (see :func:`_lambda2_krylov`). Columns are taken in order while they fit into ``k``
+    (even); when a pair would straddle the cut (an odd number of real values taken), the
+    free slot goes to the next real Ritz vector, or, when there is none, the last real one
+    taken makes room for the pair. QR keeps the leading columns' span in order.
+    """
+    im = theta.imag
+    size = torch.where(im > 0, 2, torch.where(im < 0, 0, 1))  # real: 1; a pair counts once: 2
+    inc = size.cumsum(-1) <= k
+    short = (size * inc).sum(-1) < k
+    if bool(short.any()):
+        real = size == 1
+        spare = real & ~inc
+        fill = short & spare.any(-1)
+        inc[fill, spare.int().argmax(-1)[fill]] = True
+        swap = short & ~fill  # k even: an odd count has a real value to give up its slot
+        if bool(swap.any()):
+            pos = torch.arange(size.shape[-1], device=size.device)
+            last_real = torch.where(inc & real, pos, -1).amax(-1)
+            pair = ((~inc) & (size == 2)).int().argmax(-1)
+            rows = swap.nonzero().squeeze(-1)
+            inc[rows, last_real[rows]] = False
+            inc[rows, pair[rows]] = True
+    take = torch.stack([inc & (size > 0), inc & (size == 2)], -1).flatten(-2)  # (M, 2d)
+    cols = torch.stack([vecs.real, vecs.imag], -1).flatten(-2)  # Re c0, Im c0, Re c1, ...
+    order = (~take).to(torch.int8).argsort(dim=-1, stable=True)[:, :k]
+    sel = cols.gather(2, order.unsqueeze(1).expand(-1, cols.shape[1], -1))
+    return torch.linalg.qr(sel).Q
+
+
+def _lambda2_krylov(
+    x: Tensor, *, tol: float, block: int, passes: int, keep: int, max_cycles: int, seed: int
+) -> Lambda2Result:
+    """Thick-restarted block Krylov on the sum-zero rows of ``x`` (M, N, N), in ``x.dtype``.
+
+    A cycle extends ``basis`` to ``passes`` blocks of ``block`` rows, each block the previous
+    block's image ``@ A``, orthogonalised; ``images`` holds every row's image, so the
+    Rayleigh-Ritz matrix is exact (:func:`_top_ritz`). An element is converged when its top
+    Ritz pair has a relative residual below ``tol`` and adding the last block changed the top
+    modulus by less than ``tol``.
+
+    Otherwise the next cycle restarts thick (Krylov-Schur style): the real span ``U`` of the
+    ``keep`` leading Ritz vectors (whole conjugate pairs, :func:`_restart_coefficients`)
+    and the next Krylov block ``f`` (the last block's images orthogonalised against the
+    basis). Ritz residuals are orthogonal to the basis (Galerkin) and inside the span of
+    the last images, so ``U A`` lies in ``span(U, f)``: the restarted basis ``[U; f]`` is
+    again a Krylov basis, and extending it from ``f`` keeps everything the cycle learnt
+    about the ``keep`` leading eigenvectors. ``U A`` costs no product (linear combinations
+    of known images); ``f A`` costs one block.
     """
     m, n, _ = x.shape
     dev, dt = x.device, x.dtype
-    b = max(1, min(int(block), (n - 1) // max(2, int(passes))))
-    s = max(2, int(passes))
+    b = int(block)
+    s = min(int(passes), (n - 1) // b)  # at most N - 1 sum-zero directions exist
+    if s < 3:
+        raise ValueError(
+            f"the Krylov path needs N - 1 >= 3 * block sum-zero directions, got N = {n} with"
+            f" block = {b}; use method='dense' (or 'auto') for so few tokens"
+        )
+    d = s * b
+    step = b * (2 // math.gcd(b, 2))  # whole blocks and an even count
+    k = min(int(keep), d - b) // step * step
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
     value = torch.zeros(m, dtype=torch.float64, device=dev)
@@ -719,19 +804,19 @@ def _lambda2_krylov(
 
     active = torch.arange(m, device=dev)
     mats = x
-    d = s * b
     # the basis rows and their images live in two preallocated buffers (no concatenation)
     basis = torch.empty(m, d, n, dtype=dt, device=dev)
     images = torch.empty(m, d, n, dtype=dt, device=dev)
     basis[:, :b] = _orth_rows(torch.randn(m, b, n, generator=gen, dtype=dt).to(dev), None, gen)
-    torch.bmm(basis[:, :b], mats, out=images[:, :b])
+    images[:, :b] = torch.bmm(basis[:, :b], mats)
+    filled = b
     for cycle in range(max_cycles):
-        for j in range(1, s):
-            lo, hi = j * b, (j + 1) * b
-            basis[:, lo:hi] = _orth_rows(images[:, lo - b:lo], basis[:, :lo], gen)
-            images[:, lo:hi] = torch.bmm(basis[:, lo:hi], mats)  # (Ma, b, N) @ (Ma, N, N)
+        for lo in range(filled, d, b):
+            basis[:, lo:lo + b] = _orth_rows(images[:, lo - b:lo], basis[:, :lo], gen)
+            # assigned, not out=: bmm into a strided slice of images is 1.5x slower
+            images[:, lo:lo + b] = torch.bmm(basis[:, lo:lo + b], mats)  # (Ma, b, N) @ (Ma, N, N)
             matvecs[active] += b
-        theta, vecs, r, prev_mod = _top_ritz(basis, images, d - b)
+        theta, vecs, r, prev_mod = _top_ritz(basis, images, d - b, tol)
         mod = theta[:, 0].abs()
         change = (mod - prev_mod).abs()
         done = (r <= tol) & (change <= tol)
@@ -740,20 +825,21 @@ def _lambda2_krylov(
         if bool(done.all()) or cycle == max_cycles - 1:
             break
         # index_select, not boolean indexing: the latter copies the chains 5x slower here
-        keep = (~done).nonzero().squeeze(-1)
-        # restart block: real span of the leading Ritz vectors (conjugate pairs share it)
-        ck = vecs.index_select(0, keep)[:, :, :b]
-        cri = torch.stack([ck.real, ck.imag], -1).flatten(-2)  # (Mk, d, 2b)
-        u = torch.linalg.svd(cri, full_matrices=False).U[:, :, :b]
-        ut = u.transpose(1, 2).to(dt)  # (Mk, b, d)
-        if keep.numel() < active.numel():  # one copy per cycle, cheaper than products on all
-            active, mats = active[keep], mats.index_select(0, keep)
-            basis, images = basis.index_select(0, keep), images.index_select(0, keep)
-        start = torch.bmm(ut, basis)
-        start_img = torch.bmm(ut, images)
+        left = (~done).nonzero().squeeze(-1)
+        if left.numel() < active.numel():  # one copy per cycle, cheaper than products on all
+            active, mats = active[left], mats.index_select(0, left)
+            basis, images = basis.index_select(0, left), images.index_select(0, left)
+            theta, vecs = theta.index_select(0, left), vecs.index_select(0, left)
+        f = _orth_rows(images[:, d - b:], basis, gen)  # the next Krylov block
+        ut = _restart_coefficients(theta, vecs, k).transpose(1, 2).to(dt)  # (Ma, k, d)
+        start, start_img = torch.bmm(ut, basis), torch.bmm(ut, images)
         q, rr = torch.linalg.qr(start.transpose(1, 2))  # re-orthonormalise (rounding)
-        basis[:, :b] = q.transpose(1, 2)
-        images[:, :b] = torch.linalg.solve_triangular(rr.transpose(1, 2), start_img, upper=False)
+        basis[:, :k] = q.transpose(1, 2)
+        images[:, :k] = torch.linalg.solve_triangular(rr.transpose(1, 2), start_img, upper=False)
+        basis[:, k:k + b] = f
+        images[:, k:k + b] = torch.bmm(f, mats)
+        matvecs[active] += b
+        filled = k + b
     return Lambda2Result(
         value=value, eigenvalue=eig, residual=resid, converged=conv, matvecs=matvecs,
         dense=torch.zeros(m, dtype=torch.bool, device=dev),

@@ -196,6 +196,82 @@ def test_lambda2_degenerate_uniform_random_falls_back():
     assert bool(auto.dense[~kry.converged].all())
 
 
+def _planted_ritz(kinds: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ritz values sorted by decreasing modulus (``r``: real, ``p``: a conjugate pair) with
+    random coefficient vectors; a pair's two vectors are conjugates, as eig returns them."""
+    g = torch.Generator().manual_seed(seed)
+    vals, d = [], sum(1 if c == "r" else 2 for c in kinds)
+    for i, c in enumerate(kinds):
+        mod = 0.99 - 0.05 * i
+        if c == "r":
+            vals.append(complex(mod, 0.0))
+        else:
+            vals += [complex(0.6 * mod, 0.8 * mod), complex(0.6 * mod, -0.8 * mod)]
+    re = torch.randn(d, d, generator=g, dtype=torch.float64)
+    im = torch.randn(d, d, generator=g, dtype=torch.float64)
+    vecs, j = torch.zeros(d, d, dtype=torch.complex128), 0
+    for c in kinds:
+        if c == "r":
+            vecs[:, j] = torch.complex(re[:, j], torch.zeros(d, dtype=torch.float64))
+            j += 1
+        else:
+            vecs[:, j] = torch.complex(re[:, j], im[:, j])
+            vecs[:, j + 1] = vecs[:, j].conj()
+            j += 2
+    return torch.tensor(vals, dtype=torch.complex128)[None], vecs[None]
+
+
+@pytest.mark.parametrize("kinds, k, kept", [
+    ("rprpr", 6, [0, 1, 2, 3, 4, 5]),  # whole groups fill k exactly
+    ("rrprpr", 4, [0, 1, 2, 3]),  # ... also after two real values
+    ("rprr", 2, [0, 3]),  # the pair straddles the cut: the next real value takes the slot
+    ("rpprr", 4, [0, 1, 2, 5]),  # ... also behind another pair
+    # no real value behind it (only possible for an odd basis size): the last real value
+    # taken makes room for the pair
+    ("rrrpp", 4, [0, 1, 3, 4]),
+])
+def test_restart_coefficients_keep_whole_conjugate_pairs(kinds, k, kept):
+    theta, vecs = _planted_ritz(kinds)
+    q = markov._restart_coefficients(theta, vecs, k)[0]  # (d, k)
+    torch.testing.assert_close(q.T @ q, torch.eye(k, dtype=torch.float64))
+    want = torch.cat([vecs[0][:, kept].real, vecs[0][:, kept].imag], 1)  # the real span
+    assert torch.linalg.matrix_rank(want).item() == k
+    torch.testing.assert_close(q @ (q.T @ want), want)  # span(q) is exactly that span
+
+
+def _rotating_chain(n: int, period: int, eps: float, seed: int) -> torch.Tensor:
+    """A noisy directed ring of ``period`` blocks: the leading non-unit eigenvalues are
+    complex pairs near the ``period``-th roots of unity, with a non-normal bulk."""
+    g = torch.Generator().manual_seed(seed)
+    block = torch.arange(n) * period // n
+    ring = (block[None, :] == (block[:, None] + 1) % period).double()
+    ring = ring / ring.sum(-1, keepdim=True)
+    noise = torch.softmax(3 * torch.randn(n, n, generator=g, dtype=torch.float64), -1)
+    return (1 - eps) * ring + eps * noise
+
+
+@pytest.mark.parametrize("keep", [2, 6, 10, 16])
+def test_lambda2_thick_restart_on_complex_leading_spectra(keep):
+    chains = torch.stack([_rotating_chain(300, p, e, s) for s, (p, e) in
+                          enumerate([(3, 0.3), (5, 0.4), (7, 0.5), (4, 0.6)])])
+    res = markov.lambda2(chains, method="krylov", keep=keep, return_info=True)
+    assert bool(res.converged.all())
+    for b in range(chains.shape[0]):
+        ref = second_modulus_reference(chains[b].numpy())
+        assert abs(float(res.value[b]) - ref) < 1e-6, (keep, b, float(res.value[b]), ref)
+        assert abs(complex(res.eigenvalue[b]).imag) > 0.05  # a pair led: the case under test
+
+
+def test_lambda2_rejects_bad_krylov_settings():
+    a = clustered_attention(1, 200)
+    for kw, msg in [(dict(keep=5), "keep must be even"), (dict(keep=40, passes=20), "keep must be"),
+                    (dict(passes=2), "passes >= 3"), (dict(block=0), "block >= 1")]:
+        with pytest.raises(ValueError, match=msg):
+            markov.lambda2(a, **kw)
+    with pytest.raises(ValueError, match="method='dense'"):
+        markov.lambda2(clustered_attention(1, 3), method="krylov")  # 2 sum-zero directions
+
+
 def test_head_weights_and_fusion():
     lam = torch.tensor([[0.2, 0.6, 0.2], [0.0, 0.0, 0.0]])
     w = markov.head_weights(lam, "lambda2")
