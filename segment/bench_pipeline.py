@@ -111,7 +111,7 @@ def _stage_costs(backbone: Any, method: Any, files: list, batches: list, n: int,
     the ratio the pipeline would reach with no overlap at all (a lower bound).
     """
     from segment.io import read_image
-    from segment.outputs import RenderOptions, postprocess, write_image
+    from segment.outputs import RenderOptions, postprocess, single_threaded_rendering, write_image
     from segment.pipeline import config_fingerprint
 
     opts = RenderOptions(**OmegaConf.to_container(cfg.render, resolve=True))
@@ -137,11 +137,12 @@ def _stage_costs(backbone: Any, method: Any, files: list, batches: list, n: int,
     model = time.process_time() - c0
     fp = config_fingerprint(cfg)
     c0 = time.process_time()
-    for k, (f, im) in enumerate(zip(files, loaded)):  # heatmaps of other images: same cost
-        o, i = outs[k % len(outs)]
-        seg = postprocess(o, i, im.size)
-        write_image(out, f.name, np.asarray(im.image), seg, opts, source=f.rel,
-                    source_path=str(f.path), source_bytes=0, source_mtime_ns=0, fingerprint=fp)
+    with single_threaded_rendering():  # as the pipeline renders
+        for k, (f, im) in enumerate(zip(files, loaded)):  # heatmaps of other images: same cost
+            o, i = outs[k % len(outs)]
+            seg = postprocess(o, i, im.size)
+            write_image(out, f.name, np.asarray(im.image), seg, opts, source=f.rel,
+                        source_path=str(f.path), source_bytes=0, source_mtime_ns=0, fingerprint=fp)
     write = time.process_time() - c0
     ms = lambda t: round(1000 * t / n, 2)  # noqa: E731
     return {"read_preprocess": ms(read), "bare_forward": ms(bare), "extract_method": ms(model),

@@ -75,6 +75,7 @@ from segment.outputs import (
     load_record,
     package_versions,
     record_is_current,
+    single_threaded_rendering,
     write_coco,
     write_gallery,
     write_image,
@@ -346,7 +347,8 @@ class SegmentRun:
         if todo:
             ts = time.perf_counter()
             try:
-                self._process(todo)
+                with single_threaded_rendering():  # the writer threads are the parallelism
+                    self._process(todo)
             finally:
                 self.t.processing_s = time.perf_counter() - ts
         if self.ctx.distributed:

@@ -70,6 +70,18 @@ def _fields(name: str, **kw) -> dict:
 # ----------------------------------------------------------------------------- post-processing
 
 
+def test_single_threaded_rendering_restores_opencv_threads_on_error():
+    cv2.setNumThreads(2)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            with outputs.single_threaded_rendering():
+                assert cv2.getNumThreads() == 1
+                raise RuntimeError("boom")
+        assert cv2.getNumThreads() == 2
+    finally:
+        cv2.setNumThreads(-1)
+
+
 def test_postprocess_follows_protocol_at_original_size():
     heat = torch.rand(2, 4, 6, generator=torch.Generator().manual_seed(1))
     out = MethodOutput(heatmap=heat)

@@ -142,6 +142,30 @@ def test_resume_skips_done_images_and_keeps_them_in_summaries(tmp_path):
     assert _manifest(out)["counts"]["segmented"] == 5
 
 
+def test_rendering_runs_with_opencv_single_threaded_and_restores_it(tmp_path, monkeypatch):
+    import cv2
+
+    import segment.pipeline as pipeline_mod
+
+    seen = []
+    real = pipeline_mod.write_image
+
+    def spy(*a, **k):
+        seen.append(cv2.getNumThreads())
+        return real(*a, **k)
+
+    monkeypatch.setattr(pipeline_mod, "write_image", spy)
+    src, out = tmp_path / "in", tmp_path / "out"
+    make_folder(src, bad=False)
+    cv2.setNumThreads(2)
+    try:
+        assert run_segment(compose_cfg(src, out)) == 0
+        assert seen and set(seen) == {1}  # the writer threads are the parallelism
+        assert cv2.getNumThreads() == 2  # the caller's setting is back
+    finally:
+        cv2.setNumThreads(-1)  # OpenCV's default
+
+
 def test_fingerprint_ignores_device_and_io_settings(tmp_path):
     a = compose_cfg(None, tmp_path)
     b = compose_cfg(None, tmp_path, "device=auto", "batch_size=1", "render.fsync=true", "num_workers=1")
