@@ -611,7 +611,7 @@ def lambda2(
         raise ValueError(f"lambda2 needs at least 2 tokens, got N = {n}")
     x = x.reshape(-1, n, n)
     m, dev = x.shape[0], x.device
-    small = n <= 4 * max(1, int(block)) * max(2, int(passes))
+    small = n <= 4 * block * passes  # block >= 1 and passes >= 3 were checked above
     if method == "dense" or (method == "auto" and small):
         ev = _lambda2_dense_full(x)
         res = Lambda2Result(
@@ -713,7 +713,8 @@ def _top_ritz(
     order = theta.abs().argsort(-1, descending=True)
     theta = theta.gather(1, order)
     vecs = vecs.gather(2, order.unsqueeze(1).expand_as(vecs))
-    c = vecs[:, :, :1].transpose(1, 2).to(torch.complex128 if basis.dtype == torch.float64 else torch.complex64)
+    cdt = torch.complex128 if basis.dtype == torch.float64 else torch.complex64
+    c = vecs[:, :, :1].transpose(1, 2).to(cdt)  # (M, 1, d)
     y = torch.complex(torch.bmm(c.real, basis), torch.bmm(c.imag, basis))
     ya = torch.complex(torch.bmm(c.real, images), torch.bmm(c.imag, images))
     r = (ya - theta[:, :1, None].to(y.dtype) * y).abs().norm(dim=(-1, -2)).double()
