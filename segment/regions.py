@@ -229,13 +229,12 @@ def _leaders(dist: Tensor, valid: Tensor, threshold: float) -> Tensor:
     frees = np.packbits(free_all, axis=-1, bitorder="little")
     lab = np.tile(np.arange(s), (b, 1))
     for i in range(b):
-        raw = rows[i].tobytes()
-        bits = [int.from_bytes(raw[j * nbytes: (j + 1) * nbytes], "little") for j in range(s)]
+        raw = rows[i].tobytes()  # only the leaders' rows are read (as integers)
         free = int.from_bytes(frees[i].tobytes(), "little")
         leads, takes = [], []
         while free:
             lead = (free & -free).bit_length() - 1  # the first free slot
-            take = (bits[lead] & free) | (1 << lead)
+            take = (int.from_bytes(raw[lead * nbytes: (lead + 1) * nbytes], "little") & free) | (1 << lead)
             free &= ~take
             leads.append(lead)
             takes.append(take.to_bytes(nbytes, "little"))
@@ -385,6 +384,9 @@ def pixel_chain_refine(
 # weights under exp(-80) ~ 2e-35 (next to a normaliser >= 1) are set to 0 rather than left to
 # underflow into subnormal floats, whose arithmetic is ~10x slower on x86 CPUs
 _LOG_TINY = -80.0
+# ``F.threshold_(x, _BELOW_TINY, -inf)`` keeps ``x >= _LOG_TINY`` (``x > `` the float32 just
+# below it): ``masked_fill_(x < _LOG_TINY, -inf)`` in one pass, without a boolean mask
+_BELOW_TINY = float(np.nextafter(np.float32(_LOG_TINY), np.float32(-np.inf)))
 _REFINE_PIXELS = 1 << 18  # pixels per chunk of the CPU pixel chain (measured: 4 x 224^2
 # together are ~15% faster than one by one; a 448^2 image alone is ~1.7x faster than 4)
 
@@ -403,6 +405,10 @@ def _pixel_chain_steps(x: Tensor, img: Tensor, offsets: list[tuple[int, int]], p
     # <= 0), and w_o = exp(-|o|^2 / 2 sigma_s^2) exp(-col_o / 2 sigma_c^2): one exp per pair
     # of mirror offsets. Without it the logits are formed, shifted by their max, then exp'd
     factored = (0, 0) in index
+    # one buffer for every offset's colour differences (the largest frame: fewer
+    # temporaries, the same numbers as ``((a - b) ** 2).sum(1)``)
+    span = (h + pad) * (w + pad) if offsets else 0
+    diff = torch.empty(b, img.shape[1], span, dtype=img.dtype, device=img.device)
     for dy, dx in offsets:
         mirror = index.get((-dy, -dx))
         if (dy, dx) < (0, 0) and mirror is not None:
@@ -412,10 +418,12 @@ def _pixel_chain_steps(x: Tensor, img: Tensor, offsets: list[tuple[int, int]], p
         # I(clamp(p - o))), the same numbers computed once
         y0, x0 = pad - max(dy, 0), pad - max(dx, 0)
         y1, x1 = pad + h + max(-dy, 0), pad + w + max(-dx, 0)
-        col = ((imp[:, :, y0 + dy: y1 + dy, x0 + dx: x1 + dx] - imp[:, :, y0:y1, x0:x1]) ** 2).sum(1)
+        d = diff[:, :, : (y1 - y0) * (x1 - x0)].view(b, -1, y1 - y0, x1 - x0)
+        torch.sub(imp[:, :, y0 + dy: y1 + dy, x0 + dx: x1 + dx], imp[:, :, y0:y1, x0:x1], out=d)
+        col = d.mul_(d).sum(1)
         col.mul_(-1.0 / (2 * sigma_color**2))
         if factored:
-            col.masked_fill_(col < _LOG_TINY, -math.inf).exp_()
+            F.threshold_(col, _BELOW_TINY, -math.inf).exp_()
         pairs = [((dy, dx), max(dy, 0), max(dx, 0))]
         if mirror is not None and (dy, dx) != (0, 0):
             pairs.append(((-dy, -dx), max(-dy, 0), max(-dx, 0)))
@@ -428,7 +436,7 @@ def _pixel_chain_steps(x: Tensor, img: Tensor, offsets: list[tuple[int, int]], p
                 torch.add(col[:, top: top + h, left: left + w], space, out=out)
     if not factored:
         weights.sub_(weights.amax(1, keepdim=True))
-        weights.masked_fill_(weights < _LOG_TINY, -math.inf).exp_()
+        F.threshold_(weights, _BELOW_TINY, -math.inf).exp_()
     norm = weights.sum(1, keepdim=True)  # (B, 1, H, W), >= 1
     k = x.shape[1]
     xp = torch.empty(b, k, h + 2 * pad, w + 2 * pad, dtype=x.dtype, device=x.device)
@@ -638,7 +646,8 @@ def _grow_into_cpu(cur: np.ndarray) -> np.ndarray:
     flat = grid.reshape(-1)
     row = w + 2
     around = np.array([-row - 1, -row, -row + 1, -1, 1, row - 1, row, row + 1])
-    todo = np.flatnonzero(np.pad(cur < 0, ((0, 0), (1, 1), (1, 1))))
+    hole = np.flatnonzero(cur < 0)  # the holes, as indices into the padded grid
+    todo = hole + (hole // (h * w) * (2 * row + 2 * h) + hole % (h * w) // w * 2 + row + 1)
     while todo.size:
         grown = flat[todo[:, None] + around].max(1)
         fill = grown > 0

@@ -786,3 +786,16 @@ def test_pixel_chain_refine_survives_colour_weights_that_underflow(radius, dilat
     torch.testing.assert_close(out.sum(1), torch.ones(1, 20, 24))
     want = _refine_reference(prob, image, radius, dilation, 5.0, 0.01, 3)
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_tiny_weight_threshold_equals_the_boolean_mask_it_replaces():
+    # the pixel chain drops log-weights under _LOG_TINY with one threshold pass: exactly the
+    # values masked_fill_(x < _LOG_TINY, -inf) drops, the boundary value itself kept
+    tiny = np.float32(rg._LOG_TINY)
+    below = np.nextafter(tiny, np.float32(-np.inf))
+    above = np.nextafter(tiny, np.float32(0))
+    x = torch.tensor([tiny, below, above, -79.0, -81.0, 0.0, -np.inf, -1e30], dtype=torch.float32)
+    want = x.clone().masked_fill_(x < rg._LOG_TINY, -math.inf)
+    got = torch.nn.functional.threshold_(x.clone(), rg._BELOW_TINY, -math.inf)
+    assert torch.equal(got, want)
+    assert got[0] == tiny and got[1] == -math.inf
