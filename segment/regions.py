@@ -234,7 +234,8 @@ def _leaders(dist: Tensor, valid: Tensor, threshold: float) -> Tensor:
         leads, takes = [], []
         while free:
             lead = (free & -free).bit_length() - 1  # the first free slot
-            take = (int.from_bytes(raw[lead * nbytes: (lead + 1) * nbytes], "little") & free) | (1 << lead)
+            near_lead = int.from_bytes(raw[lead * nbytes: (lead + 1) * nbytes], "little")
+            take = (near_lead & free) | (1 << lead)
             free &= ~take
             leads.append(lead)
             takes.append(take.to_bytes(nbytes, "little"))
