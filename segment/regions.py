@@ -408,8 +408,7 @@ def _pixel_chain_steps(x: Tensor, img: Tensor, offsets: list[tuple[int, int]], p
     factored = (0, 0) in index
     # one buffer for every offset's colour differences (the largest frame: fewer
     # temporaries, the same numbers as ``((a - b) ** 2).sum(1)``)
-    span = (h + pad) * (w + pad) if offsets else 0
-    diff = torch.empty(b, img.shape[1], span, dtype=img.dtype, device=img.device)
+    diff = torch.empty(b, img.shape[1], (h + pad) * (w + pad), dtype=img.dtype, device=img.device)
     for dy, dx in offsets:
         mirror = index.get((-dy, -dx))
         if (dy, dx) < (0, 0) and mirror is not None:
@@ -647,8 +646,8 @@ def _grow_into_cpu(cur: np.ndarray) -> np.ndarray:
     flat = grid.reshape(-1)
     row = w + 2
     around = np.array([-row - 1, -row, -row + 1, -1, 1, row - 1, row, row + 1])
-    hole = np.flatnonzero(cur < 0)  # the holes, as indices into the padded grid
-    todo = hole + (hole // (h * w) * (2 * row + 2 * h) + hole % (h * w) // w * 2 + row + 1)
+    bi, yi, xi = np.nonzero(cur < 0)  # the holes, as indices into the padded grid
+    todo = np.ravel_multi_index((bi, yi + 1, xi + 1), grid.shape)
     while todo.size:
         grown = flat[todo[:, None] + around].max(1)
         fill = grown > 0
