@@ -330,6 +330,29 @@ def test_crash_mid_write_leaves_no_truncated_files(tmp_path, monkeypatch, fail_a
     assert load_record(tmp_path, "x") == rec and rec.num_regions == 4
 
 
+@pytest.mark.parametrize("fsync", [True, False])
+def test_atomic_write_bytes_short_writes_full_disk_and_missing_folder(tmp_path, monkeypatch, fsync):
+    """Short ``os.write``s are continued; a write that fails (disk full) leaves the old
+    content and no temporary file; a missing folder is created."""
+    from segment.utils import atomic_write_bytes
+
+    target = tmp_path / "new" / "deeper" / "f.bin"
+    real_write = os.write
+    monkeypatch.setattr(segment.utils.os, "write", lambda fd, b: real_write(fd, bytes(b[:3])))
+    atomic_write_bytes(target, b"0123456789", fsync)
+    assert target.read_bytes() == b"0123456789"
+
+    def full(fd, b):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(segment.utils.os, "write", full)
+    with pytest.raises(OSError, match="No space"):
+        atomic_write_bytes(target, b"other", fsync)
+    monkeypatch.setattr(segment.utils.os, "write", real_write)
+    assert target.read_bytes() == b"0123456789"
+    assert [p.name for p in target.parent.iterdir()] == ["f.bin"]
+
+
 def test_fsync_path_writes_same_bytes(tmp_path):
     seg = _binary_seg(10, 12)
     a = write_image(tmp_path / "a", "x", _image(10, 12), seg, RenderOptions(fsync=True), **_fields("x"))
