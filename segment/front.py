@@ -124,6 +124,36 @@ def _exists(tree: Any, key: str) -> bool:
     return True
 
 
+def _get(tree: Any, key: str) -> Any:
+    node = tree
+    for part in key.split("."):
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _value_problem(default: Any, value: Any) -> str | None:
+    """Why ``value`` cannot replace a setting whose default is ``default``, or ``None``.
+
+    Only what is certain from the default's type: a number (or a list of numbers) given a
+    word, an integer given a fraction, a switch given anything but true/false (or 1/0). ``null`` and
+    interpolations (``${...}``) are left to the component that reads them."""
+    if value is None or (isinstance(value, str) and "${" in value):
+        return None
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) or value in (0, 1) else "expected true or false"
+    if _is_number(default):
+        items = value if isinstance(value, list) else [value]  # e.g. image_size=[336,448]
+        if not all(_is_number(v) for v in items):
+            return "expected a number"
+        if isinstance(default, int) and not all(isinstance(v, int) or float(v).is_integer() for v in items):
+            return "expected a whole number"
+    return None
+
+
 def _compose(config_name: str, overrides: Sequence[str]) -> Any:
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
@@ -180,6 +210,11 @@ def check_overrides(command: str, config_name: str, args: Sequence[str]) -> Any:
         if o.is_hydra_override() or (key in ALL_GROUPS and o.package is None and not o.is_delete()):
             continue
         if _exists(tree, key):
+            value = None if o.is_delete() or o.is_sweep_override() else o.value()
+            why = _value_problem(_get(tree, key), value)
+            if why is not None:
+                raise UsageError(f"{key}={o.get_value_element_as_str()}: {why} (the default is "
+                                 f"{_get(tree, key)!r}); see {command} --help")
             continue
         parent = key.rsplit(".", 1)[0] if "." in key else ""
         if any(parent == n or parent.startswith(n + ".") or key.startswith(n + ".") for n in _OPEN_NODES) and (

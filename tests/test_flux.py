@@ -630,8 +630,11 @@ def test_segment_eval_flux_experiment_end_to_end(tmp_path, monkeypatch):
     # by construction: one joint bounce is an affine image of one grid bounce (same masks, AP)
     # (forward only: the source direction weighs several query tokens by 1 / column sums of
     # the damped chain on one side and of the attention on the other)
-    for k in ("pixAcc", "mIoU", "mAP"):
+    # (the masks exactly; AP up to the rounding of the affine map and the min-max: on one
+    # development machine it reordered a pair of nearly tied pixels, 1.2e-6 points of AP)
+    for k in ("pixAcc", "mIoU", "mIoU_CA"):
         assert by["joint_fwd_1"][k] == pytest.approx(by["grid_fwd_1"][k], abs=1e-6)
+    assert by["joint_fwd_1"]["mAP"] == pytest.approx(by["grid_fwd_1"]["mAP"], abs=1e-4)
     # class names are the prompts; one union capture: heads fused on the fly, blocks kept
     # apart (the rows average different blocks)
     assert [p for batch, _ in seen for p in batch][0] == "dog" and len(seen) == 2

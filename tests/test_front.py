@@ -87,6 +87,32 @@ def test_unknown_keys_exit_2_with_a_suggestion(tmp_path, cmd, arg, key, hint):
     _nothing_created(tmp_path)
 
 
+@pytest.mark.parametrize("cmd", ["segment", "segment-eval"])
+@pytest.mark.parametrize("arg,why", [
+    ("method.tau=oops", "expected a number (the default is 0.2)"),
+    ("batch_size=abc", "expected a number (the default is"),
+    ("model.image_size=[33a,448]", "expected a number (the default is 224)"),
+    ("method.refine_steps=2.5", "expected a whole number (the default is 3)"),
+    ("method.connectivity=maybe", "expected true or false (the default is True)"),
+])
+def test_a_value_of_the_wrong_type_is_named_in_one_line(tmp_path, cmd, arg, why):
+    extra = ["dataset.root=/nowhere"] if cmd == "segment-eval" else []
+    line = _one_line_error(run(cmd, arg, *extra, cwd=tmp_path), arg)
+    assert line.startswith(f"{cmd}: {arg}: {why}"), line
+    _nothing_created(tmp_path)
+
+
+def test_values_of_the_right_type_pass_the_check():
+    from segment.front import _value_problem
+
+    for default, value in [(0.2, 1), (0.2, 1e-1), (224, [336, 448]), (224, 448.0), (0.03, None),
+                           (True, False), (True, 0), (8, "${oc.env:B}"), ("auto", "cpu"),
+                           ([-1], "all"), (None, "x")]:
+        assert _value_problem(default, value) is None, (default, value)
+    assert _value_problem(True, 2) == "expected true or false"
+    assert _value_problem(8, True) == "expected a number"
+
+
 def test_groups_a_command_does_not_use(tmp_path):
     line = _one_line_error(run("segment", "dataset=folder", cwd=tmp_path), "dataset")
     assert "model, method" in line
