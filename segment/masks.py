@@ -9,6 +9,7 @@ regions instead, and keep a continuous heatmap for AP.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,18 @@ class MethodOutput:
             raise ValueError(f"heatmap must be (B, h, w), got {tuple(self.heatmap.shape)}")
         if (self.labels is None) != (self.foreground is None):
             raise ValueError("labels and foreground come together")
+
+
+def concat_outputs(parts: Sequence[MethodOutput]) -> MethodOutput:
+    """The outputs of consecutive parts of a batch as one batch's output: heatmaps and
+    labels stacked, ``foreground`` padded with ``False`` to the widest part (ids a part
+    does not use are background, as in any padded batch)."""
+    heat = torch.cat([p.heatmap for p in parts])
+    if any(p.labels is None for p in parts):
+        return MethodOutput(heatmap=heat)
+    k = max(p.foreground.shape[1] for p in parts)
+    fg = torch.cat([F.pad(p.foreground, (0, k - p.foreground.shape[1])) for p in parts])
+    return MethodOutput(heatmap=heat, labels=torch.cat([p.labels for p in parts]), foreground=fg)
 
 
 def upsample(heatmap: Tensor, size: tuple[int, int]) -> Tensor:

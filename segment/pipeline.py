@@ -7,7 +7,8 @@ Flow (:func:`run_segment`)::
     ──> loader threads: read + EXIF + RGB + Segmenter.preprocess       (overlapped)
         ──> main thread: batches of one preprocessed size -> Segmenter.extract
         ──> method thread: Segmenter.apply on each batch's attention record (batch i
-            while the main thread runs the forward of batch i + 1)
+            while the main thread runs the forward of batch i + 1; on the CPU as two
+            halves of its images at once, see Segmenter.apply)
         ──> writer threads: Segmenter.postprocess at the original size, files, record
     ──> annotations.json, index.html, run.json from the records of every image
 
@@ -503,11 +504,14 @@ class SegmentRun:
         prefetch = max(2 * self.batch_size, 2 * self.num_workers)
         max_pending_writes = max(2 * self.batch_size, 2 * self.num_workers)
         max_held = 4 * self.batch_size  # images waiting in partly filled batches
-        loader = ThreadPoolExecutor(self.num_workers, thread_name_prefix="segment-read")
-        writer = ThreadPoolExecutor(self.num_workers, thread_name_prefix="segment-write")
+        # every thread's torch pool is set explicitly: torch.set_num_threads in one thread
+        # (Segmenter.apply's halves) is also the default of the threads that start later
+        pinned = dict(initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
+        loader = ThreadPoolExecutor(self.num_workers, thread_name_prefix="segment-read", **pinned)
+        writer = ThreadPoolExecutor(self.num_workers, thread_name_prefix="segment-write", **pinned)
         # one method thread: the method of batch i runs while the main thread extracts batch
         # i + 1; one method at a time, so at most two records are held
-        methods = ThreadPoolExecutor(1, thread_name_prefix="segment-method")
+        methods = ThreadPoolExecutor(1, thread_name_prefix="segment-method", **pinned)
         running: deque[Future] = deque(maxlen=1)
         writes: deque[tuple[_Item, Future]] = deque()  # appended by the method thread
         buckets: OrderedDict[tuple[int, ...], list[_Item]] = OrderedDict()

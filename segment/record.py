@@ -174,6 +174,21 @@ class AttentionRecord:
             head_weights={i: self.head_weights[i] for i in layers if i in self.head_weights},
         )
 
+    def images(self, start: int, stop: int) -> AttentionRecord:
+        """The record of images ``start:stop`` of the batch (views, no copy).
+
+        A record with ``extras`` (backbone-specific tensors, e.g. FLUX's ConceptAttention)
+        is not split: their layout is the backbone's own.
+        """
+        if self.extras:
+            raise ValueError(f"a record with extras ({sorted(self.extras)}) cannot be split by image")
+        part = lambda d: {k: v[start:stop] for k, v in d.items()}  # noqa: E731
+        return replace(
+            self, attn=part(self.attn), keys=part(self.keys), head_weights=part(self.head_weights),
+            query=None if self.query is None else self.query[start:stop],
+            pixels=None if self.pixels is None else self.pixels[start:stop],
+        )
+
     def to(self, device: torch.device | str) -> AttentionRecord:
         mv = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731
         return replace(

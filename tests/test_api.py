@@ -179,6 +179,67 @@ def test_pipeline_computes_through_the_segmenter(tmp_path, monkeypatch):
     assert calls == {"extract": 3, "apply": 3, "post": 5}
 
 
+@pytest.mark.parametrize("method", ["regions", "cls_attention", "kmeans"])
+def test_apply_runs_a_cpu_batch_as_two_halves_with_the_same_results(method, monkeypatch):
+    """On the CPU with 2 torch threads, Segmenter.apply runs the method on images 0-2 and
+    3-4 of a batch of 5, each on one torch thread; the masks' inputs (labels, foreground)
+    equal the whole batch's, the heatmaps to float rounding."""
+    from segment.record import AttentionRecord
+
+    seg = segment.load("vit_tiny_random", method=method, device="cpu", image_size=112)
+    pixels = torch.stack([seg.preprocess(_img(40 + 3 * i, 56, i)) for i in range(5)])
+    record = seg.extract(pixels)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad():
+            whole = seg.method(record)
+        seen = []
+        inner = seg.method
+
+        def spy(rec: AttentionRecord):
+            seen.append((rec.batch_size, torch.get_num_threads()))
+            return inner(rec)
+
+        monkeypatch.setattr(seg, "method", spy)
+        split = seg.apply(record)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert sorted(seen) == [(2, 1), (3, 1)]
+    torch.testing.assert_close(split.heatmap, whole.heatmap, atol=1e-6, rtol=0)
+    if whole.labels is not None:
+        assert torch.equal(split.labels, whole.labels)
+        k = int(whole.labels.max()) + 1
+        assert torch.equal(split.foreground[:, :k], whole.foreground[:, :k])
+        assert not split.foreground[:, k:].any()
+
+
+def test_concat_outputs_and_record_images():
+    from segment.masks import MethodOutput, concat_outputs
+    from segment.record import AttentionRecord, TokenLayout
+
+    a = MethodOutput(heatmap=torch.zeros(2, 3, 3), labels=torch.zeros(2, 6, 6, dtype=torch.long),
+                     foreground=torch.tensor([[True, False], [False, True]]))
+    b = MethodOutput(heatmap=torch.ones(1, 3, 3), labels=torch.ones(1, 6, 6, dtype=torch.long),
+                     foreground=torch.tensor([[False, True, True]]))
+    c = concat_outputs([a, b])
+    assert c.heatmap.shape == (3, 3, 3) and c.labels.shape == (3, 6, 6)
+    assert c.foreground.tolist() == [[True, False, False], [False, True, False], [False, True, True]]
+    assert concat_outputs([MethodOutput(heatmap=torch.zeros(1, 2, 2))] * 2).labels is None
+    layout = TokenLayout(num_tokens=5, prefix=1, grid=(2, 2))
+    attn = torch.rand(4, 2, 5, 5)
+    rec = AttentionRecord(attn={11: attn}, layout=layout, image_size=(28, 28), keys={11: attn[..., :3]},
+                          query=[(0,), (1,), (2,), (3,)], pixels=torch.rand(4, 3, 28, 28))
+    part = rec.images(1, 3)
+    assert part.batch_size == 2 and part.query == [(1,), (2,)]
+    assert torch.equal(part.attn[11], attn[1:3]) and part.attn[11].data_ptr() == attn[1].data_ptr()
+    assert torch.equal(part.keys[11], attn[1:3, ..., :3]) and torch.equal(part.pixels, rec.pixels[1:3])
+    with pytest.raises(ValueError, match="extras"):
+        AttentionRecord(attn={0: attn}, layout=layout, image_size=(28, 28),
+                        extras={"concept": attn}).images(0, 1)
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="2")
     return subprocess.run([str(SEGMENT), *args], capture_output=True, text=True, timeout=300, env=env)

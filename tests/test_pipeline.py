@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -316,17 +317,21 @@ def test_multi_region_outputs_end_to_end(tmp_path):
 
 
 class InterruptAfter:
-    """Wraps a method; raises KeyboardInterrupt (Ctrl-C) on call number ``n``."""
+    """Wraps a method; raises KeyboardInterrupt (Ctrl-C) when asked for any image after the
+    first ``n`` (a batch may come as two halves at once, see Segmenter.apply)."""
 
     def __init__(self, inner, n: int) -> None:
-        self.inner, self.n, self.calls, self.name = inner, n, 0, inner.name
+        self.inner, self.n, self.seen, self.name = inner, n, 0, inner.name
+        self.lock = threading.Lock()
 
     def capture(self, num_layers):
         return self.inner.capture(num_layers)
 
     def __call__(self, record):
-        self.calls += 1
-        if self.calls == self.n:
+        with self.lock:
+            first = self.seen
+            self.seen += record.batch_size
+        if first + record.batch_size > self.n:
             raise KeyboardInterrupt
         return self.inner(record)
 
@@ -339,7 +344,7 @@ def test_ctrl_c_keeps_finished_images_and_resumes(tmp_path):
     for i in range(8):
         _img(40, 60, i).save(src / f"{i}.png")
     cfg = compose_cfg(src, out, "batch_size=2")
-    method = InterruptAfter(instantiate(cfg.method), n=3)  # two batches done, then Ctrl-C
+    method = InterruptAfter(instantiate(cfg.method), n=4)  # two batches done, then Ctrl-C
     assert run_segment(cfg, method=method) == 130
     man = _manifest(out)
     assert man["interrupted"] is True and man["counts"]["segmented"] == 4
@@ -359,18 +364,20 @@ def test_model_failure_on_one_batch_is_isolated(tmp_path):
     src.mkdir()
     for i in range(4):
         _img(40, 60, i).save(src / f"{i}.png")
-    cfg = compose_cfg(src, out, "batch_size=2")
+    cfg = compose_cfg(src, out, "batch_size=4")
     inner = instantiate(cfg.method)
 
     class FailsOnFirst:
-        name, calls = "fails", 0
+        name, singles = "fails", 0
 
         def capture(self, n):
             return inner.capture(n)
 
         def __call__(self, record):
-            FailsOnFirst.calls += 1
-            if FailsOnFirst.calls <= 2:  # the batch of 2 and the first single retry
+            if record.batch_size >= 2:  # the batch of 4 (or a half of it: Segmenter.apply)
+                raise RuntimeError("CUDA out of memory (simulated)")
+            FailsOnFirst.singles += 1
+            if FailsOnFirst.singles == 1:  # the first single retry
                 raise RuntimeError("CUDA out of memory (simulated)")
             return inner(record)
 
