@@ -112,7 +112,11 @@ def _flatten_keys(node: Any, prefix: str = "") -> list[str]:
     return out
 
 
-def _exists(tree: Any, key: str) -> bool:
+_MISSING = object()
+
+
+def _get(tree: Any, key: str) -> Any:
+    """The value at dotted ``key`` of a config tree, or ``_MISSING``."""
     node = tree
     for part in key.split("."):
         if isinstance(node, dict) and part in node:
@@ -120,15 +124,12 @@ def _exists(tree: Any, key: str) -> bool:
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
             node = node[int(part)]
         else:
-            return False
-    return True
-
-
-def _get(tree: Any, key: str) -> Any:
-    node = tree
-    for part in key.split("."):
-        node = node[int(part)] if isinstance(node, list) else node[part]
+            return _MISSING
     return node
+
+
+def _exists(tree: Any, key: str) -> bool:
+    return _get(tree, key) is not _MISSING
 
 
 def _is_number(v: Any) -> bool:
@@ -209,12 +210,13 @@ def check_overrides(command: str, config_name: str, args: Sequence[str]) -> Any:
         key = o.key_or_group
         if o.is_hydra_override() or (key in ALL_GROUPS and o.package is None and not o.is_delete()):
             continue
-        if _exists(tree, key):
+        default = _get(tree, key)
+        if default is not _MISSING:
             value = None if o.is_delete() or o.is_sweep_override() else o.value()
-            why = _value_problem(_get(tree, key), value)
+            why = _value_problem(default, value)
             if why is not None:
                 raise UsageError(f"{key}={o.get_value_element_as_str()}: {why} (the default is "
-                                 f"{_get(tree, key)!r}); see {command} --help")
+                                 f"{default!r}); see {command} --help")
             continue
         parent = key.rsplit(".", 1)[0] if "." in key else ""
         if any(parent == n or parent.startswith(n + ".") or key.startswith(n + ".") for n in _OPEN_NODES) and (
