@@ -24,7 +24,7 @@ predicted segments per image (one-to-one matching penalises too few and too many
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -532,3 +532,125 @@ def total(states: Iterable[State], empty: State) -> State:
         acc = acc + s
     return acc
 
+
+
+# ---------------------------------------------------------------------------- intervals
+
+
+def _additive(states: Sequence[State]) -> tuple[str, np.ndarray]:
+    """``(kind, V)``: the states' additive sums, one float64 row per state.
+
+    Binary rows: ``[correct, labeled, inter_bg, inter_fg, union_bg, union_fg, ap_sum,
+    images]``; multi-class rows: ``[tp (K), fp (K), fn (K), labeled, images]``. Counts stay
+    exact in float64 (integers below 2^53).
+    """
+    if not states:
+        raise ValueError("no states to resample")
+    if all(isinstance(s, BinaryState) for s in states):
+        return "binary", np.array([[s.correct, s.labeled, *s.inter, *s.union, s.ap_sum, s.images]
+                                   for s in states], dtype=np.float64)
+    if all(isinstance(s, MulticlassState) for s in states):
+        k = {len(s.tp) for s in states}
+        if len(k) != 1:
+            raise ValueError(f"multi-class states of different class counts: {sorted(k)}")
+        return "multiclass", np.array([[*s.tp, *s.fp, *s.fn, s.labeled, s.images] for s in states],
+                                      dtype=np.float64)
+    raise ValueError("states to resample must all be binary or all multi-class")
+
+
+def _scores_of_sums(kind: str, sums: np.ndarray) -> dict[str, np.ndarray]:
+    """The headline scores (fractions) of summed rows ``(..., F)``, as :meth:`scores`
+    computes them from one summed state (vectorised over the leading dimensions)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        if kind == "binary":
+            correct, labeled, i0, i1, u0, u1, ap, n = np.moveaxis(sums, -1, 0)
+            iou = [np.where(u > 0, i / np.where(u > 0, u, 1), 0.0) for i, u in ((i0, u0), (i1, u1))]
+            return {
+                "pixAcc": np.where(labeled > 0, correct / np.where(labeled > 0, labeled, 1), 0.0),
+                "mIoU": (iou[0] + iou[1]) / 2,
+                "mAP": np.where(n > 0, ap / np.where(n > 0, n, 1), 0.0),
+            }
+        k = (sums.shape[-1] - 2) // 3
+        tp, fp, fn = sums[..., :k], sums[..., k: 2 * k], sums[..., 2 * k: 3 * k]
+        labeled = sums[..., 3 * k]
+        den = tp + fp + fn
+        iou = np.where(den > 0, tp / np.where(den > 0, den, 1), np.nan)
+        seen = (den > 0).sum(-1)
+        miou = np.where(seen > 0, np.nansum(iou, -1) / np.maximum(seen, 1), 0.0)
+        return {
+            "pixAcc": np.where(labeled > 0, tp.sum(-1) / np.where(labeled > 0, labeled, 1), 0.0),
+            "mIoU": miou,
+        }
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """Percentile intervals of set-level scores from resampling the images.
+
+    The images are drawn with replacement ``reps`` times (the same draws for every method,
+    so differences between methods are paired); each draw's scores are computed from the
+    summed additive states exactly as the whole set's are (sums first, then ratios: pixAcc
+    and mIoU over summed counts, mAP as the mean of per-image APs).
+
+    Attributes:
+        level: the interval's coverage, e.g. ``0.95``.
+        draws: method -> score name -> ``(reps,)`` resampled scores (fractions).
+    """
+
+    level: float
+    draws: dict[str, dict[str, np.ndarray]]
+
+    def interval(self, method: str, score: str) -> tuple[float, float]:
+        """The ``level`` percentile interval of a method's score (fractions)."""
+        return self._percentiles(self.draws[method][score])
+
+    def difference(self, method: str, reference: str, score: str) -> tuple[float, float]:
+        """The ``level`` percentile interval of ``score(method) - score(reference)`` over the
+        same resampled images (paired)."""
+        return self._percentiles(self.draws[method][score] - self.draws[reference][score])
+
+    def _percentiles(self, x: np.ndarray) -> tuple[float, float]:
+        tail = 100.0 * (1.0 - self.level) / 2.0
+        lo, hi = np.percentile(x, [tail, 100.0 - tail])
+        return float(lo), float(hi)
+
+
+def resample_counts(n: int, reps: int, seed: int = 0) -> np.ndarray:
+    """``(reps, n)`` float64: how often each of ``n`` images is drawn in each resample (``n``
+    draws with replacement, one multinomial draw per resample from numpy's
+    ``default_rng(seed)``)."""
+    if int(n) < 1:
+        raise ValueError("no states to resample")
+    rng = np.random.default_rng(int(seed))
+    return rng.multinomial(int(n), np.full(int(n), 1.0 / int(n)), size=int(reps)).astype(np.float64)
+
+
+def bootstrap(per_method: dict[str, Sequence[State]], reps: int = 1000, level: float = 0.95,
+              seed: int = 0) -> Bootstrap:
+    """Resample the images of every method's per-image states together (paired draws).
+
+    Args:
+        per_method: method -> its per-image states, the same images in the same order for
+            every method.
+        reps: number of resamples (>= 1).
+        level: interval coverage in ``(0, 1)``.
+        seed: seed of the draws (numpy ``default_rng``): the same seed gives the same
+            intervals.
+
+    Returns:
+        A :class:`Bootstrap` holding every method's resampled scores (the draws are
+        :func:`resample_counts` ``(n, reps, seed)``).
+    """
+    if int(reps) < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    if not 0.0 < float(level) < 1.0:
+        raise ValueError(f"level must lie in (0, 1), got {level}")
+    sizes = {len(v) for v in per_method.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"every method needs the same images, got counts {sorted(sizes)}")
+    counts = resample_counts(sizes.pop(), reps, seed)
+    draws = {}
+    for name, states in per_method.items():
+        kind, v = _additive(states)
+        draws[name] = _scores_of_sums(kind, counts @ v)
+    return Bootstrap(level=float(level), draws=draws)

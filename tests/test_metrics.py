@@ -15,11 +15,13 @@ from segment.eval.metrics import (
     MulticlassState,
     average_precision,
     binary_states,
+    bootstrap,
     hungarian_state,
     matched_classes,
     miou_ca,
     pooled_average_precision,
     pooled_average_precisions,
+    resample_counts,
     state_from_dict,
     total,
 )
@@ -382,3 +384,102 @@ def test_multiclass_state_additive_and_serialisable():
 def test_hungarian_rejects_negative_segments():
     with pytest.raises(ValueError, match="non-negative"):
         hungarian_state(np.array([-1, 0]), np.array([0, 1]), 2)
+
+
+# ------------------------------------------------------------------ bootstrap intervals
+
+
+def _random_binary_states(rng, n):
+    out = []
+    for _ in range(n):
+        labeled = int(rng.integers(50, 200))
+        inter = [int(rng.integers(0, 40)), int(rng.integers(0, 40))]
+        union = [i + int(rng.integers(0, 30)) for i in inter]
+        if rng.random() < 0.2:
+            inter[1], union[1] = 0, 0  # an image with no foreground at all
+        out.append(BinaryState(correct=int(rng.integers(0, labeled + 1)), labeled=labeled, inter=inter,
+                               union=union, ap_sum=float(rng.random()), images=1))
+    return out
+
+
+def _random_multiclass_states(rng, n, k=4):
+    out = []
+    for _ in range(n):
+        present = rng.random(k) < 0.6  # classes absent from an image add nothing
+        tp = np.where(present, rng.integers(0, 50, k), 0)
+        fp = np.where(present, rng.integers(0, 20, k), 0)
+        fn = np.where(present, rng.integers(0, 20, k), 0)
+        out.append(MulticlassState(tp=tp.tolist(), fp=fp.tolist(), fn=fn.tolist(),
+                                   labeled=int(tp.sum() + fn.sum()), images=1, regions=3))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["binary", "multiclass"])
+def test_bootstrap_draws_are_the_scores_of_resampled_sets(kind):
+    """Every resample's scores equal ``scores()`` of the summed states of the drawn images
+    (each drawn as often as the draw says), so the intervals use the set-level definitions."""
+    rng = np.random.default_rng(3)
+    states = _random_binary_states(rng, 9) if kind == "binary" else _random_multiclass_states(rng, 9)
+    empty = BinaryState() if kind == "binary" else MulticlassState.zero(4)
+    boot = bootstrap({"m": states}, reps=25, seed=7)
+    counts = resample_counts(9, 25, seed=7).astype(int)  # the draws bootstrap made
+    assert counts.shape == (25, 9) and (counts.sum(1) == 9).all() and len(np.unique(counts, axis=0)) > 20
+    for r, row in enumerate(counts):
+        sc = total((s for s, c in zip(states, row) for _ in range(c)), empty).scores()
+        acc = sc.pixAcc if kind == "binary" else sc.ACC
+        assert boot.draws["m"]["pixAcc"][r] == pytest.approx(acc, abs=1e-12)
+        assert boot.draws["m"]["mIoU"][r] == pytest.approx(sc.mIoU, abs=1e-12)
+        if kind == "binary":
+            assert boot.draws["m"]["mAP"][r] == pytest.approx(sc.mAP, abs=1e-12)
+    # the whole set (every image once) through the same vectorised scores
+    from segment.eval.metrics import _additive, _scores_of_sums
+
+    k, v = _additive(states)
+    whole = _scores_of_sums(k, v.sum(0))
+    assert float(whole["mIoU"]) == pytest.approx(total(states, empty).scores().mIoU, abs=1e-12)
+
+
+def test_bootstrap_interval_of_a_known_binomial():
+    """Images that are all right or all wrong (100 pixels each), 30 of 100 right: a
+    resample's pixAcc is Binomial(100, 0.3) / 100, whose 2.5% and 97.5% quantiles are 0.21
+    and 0.39."""
+    right = BinaryState(correct=100, labeled=100, inter=[50, 50], union=[50, 50], ap_sum=1.0, images=1)
+    wrong = BinaryState(correct=0, labeled=100, inter=[0, 0], union=[100, 100], ap_sum=0.0, images=1)
+    states = [right] * 30 + [wrong] * 70
+    boot = bootstrap({"m": states}, reps=20000, seed=0)
+    lo, hi = boot.interval("m", "pixAcc")
+    assert lo == pytest.approx(0.21, abs=0.0051) and hi == pytest.approx(0.39, abs=0.0051)
+    assert boot.interval("m", "mAP") == pytest.approx((lo, hi), abs=1e-12)  # AP 1 / 0 per image
+
+
+def test_bootstrap_paired_differences():
+    rng = np.random.default_rng(0)
+    a = _random_multiclass_states(rng, 30)
+    better = [MulticlassState(tp=[t + 5 for t in s.tp], fp=s.fp, fn=[max(f - 5, 0) for f in s.fn],
+                              labeled=s.labeled, images=1, regions=s.regions) for s in a]
+    boot = bootstrap({"a": a, "a_again": a, "better": better}, reps=500, seed=1)
+    assert boot.difference("a_again", "a", "mIoU") == (0.0, 0.0)  # paired: the same draws
+    lo, hi = boot.difference("better", "a", "mIoU")
+    assert 0 < lo <= hi  # better on every image: better on every resample
+    # identical images: no spread at all
+    same = bootstrap({"m": [a[0]] * 12}, reps=50)
+    lo, hi = same.interval("m", "mIoU")
+    assert lo == pytest.approx(hi) == pytest.approx(a[0].scores().mIoU)
+    # the same seed gives the same intervals; another seed other ones
+    again = bootstrap({"a": a, "better": better}, reps=500, seed=1)
+    assert again.interval("a", "mIoU") == boot.interval("a", "mIoU")
+    assert bootstrap({"a": a}, reps=500, seed=2).interval("a", "mIoU") != boot.interval("a", "mIoU")
+
+
+def test_bootstrap_rejects_bad_input():
+    st = _random_binary_states(np.random.default_rng(0), 3)
+    with pytest.raises(ValueError, match="reps"):
+        bootstrap({"m": st}, reps=0)
+    with pytest.raises(ValueError, match="level"):
+        bootstrap({"m": st}, level=1.0)
+    with pytest.raises(ValueError, match="same images"):
+        bootstrap({"m": st, "n": st[:2]})
+    with pytest.raises(ValueError, match="binary or all multi-class"):
+        bootstrap({"m": [st[0], MulticlassState.zero(2)]})
+    with pytest.raises(ValueError, match="no states"):
+        bootstrap({"m": []})
