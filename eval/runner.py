@@ -60,9 +60,11 @@ from segment.datasets.base import DataError
 from segment.eval import dist
 from segment.eval.metrics import (
     BinaryState,
+    Bootstrap,
     MulticlassState,
     State,
     binary_states,
+    bootstrap,
     hungarian_state,
     matched_classes,
     state_from_dict,
@@ -84,6 +86,9 @@ log = logging.getLogger(__name__)
 
 BINARY_COLUMNS = ("pixAcc", "mIoU", "mIoU_CA", "mAP")
 MULTICLASS_COLUMNS = ("pixAcc", "mIoU", "regions")  # + per-class IoU; regions: mean per image
+# the scores that get bootstrap intervals (results.json: all; CSV: INTERVAL_CSV; Markdown: mIoU)
+INTERVAL_SCORES = {"binary": ("pixAcc", "mIoU", "mAP"), "multiclass": ("pixAcc", "mIoU")}
+INTERVAL_CSV = {"binary": ("mIoU", "mAP"), "multiclass": ("mIoU",)}
 # bump when a change outside the hashed modules (see fingerprint, method_key) changes scores
 CACHE_VERSION = 4
 
@@ -556,6 +561,11 @@ class Results:
     Multi-class rows also hold ``regions`` (mean predicted segments per image) and ``iou``
     (class name -> IoU in percent, ``None`` for a class never seen nor predicted), shown as
     one column per class in the CSV (``IoU_<name>``) and Markdown tables.
+
+    With bootstrap intervals (:func:`add_intervals`) every row holds ``ci95`` (score ->
+    ``[low, high]``) and every row after the first ``delta`` (``{"vs": first row, score:
+    [difference, low, high]}``, paired over the same resampled images); the CSV gets them
+    for mIoU (and mAP) and the Markdown for mIoU.
     """
 
     task: str
@@ -566,34 +576,74 @@ class Results:
     def columns(self) -> tuple[str, ...]:
         return BINARY_COLUMNS if self.task == "binary" else MULTICLASS_COLUMNS
 
+    @property
+    def _intervals(self) -> bool:
+        return bool(self.rows) and "ci95" in self.rows[0]
+
     def _class_values(self, r: dict[str, Any]) -> list[str]:
         iou = r.get("iou") or {}
         return ["" if iou.get(c) is None else f"{iou[c]:.2f}" for c in self.class_names]
 
+    @staticmethod
+    def _delta_text(r: dict[str, Any], score: str) -> str:
+        d = (r.get("delta") or {}).get(score)
+        return "" if d is None else f"{d[0]:+.2f} ({d[1]:+.2f}, {d[2]:+.2f})"
+
     def markdown(self) -> str:
-        cols = ("method", *self.columns, *self.class_names, "images")
+        extra: list[str] = []
+        if self._intervals:
+            extra = ["mIoU 95% CI", f"ΔmIoU vs {self.rows[0]['method']} (95% CI)"]
+        cols = ("method", *self.columns, *self.class_names, "images", *extra)
         lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for r in self.rows:
             vals = [r["method"], *(f"{r[c]:.2f}" for c in self.columns), *self._class_values(r),
                     str(r["images"])]
+            if extra:
+                lo, hi = r["ci95"]["mIoU"]
+                vals += [f"{lo:.2f}-{hi:.2f}", self._delta_text(r, "mIoU")]
             lines.append("| " + " | ".join(v or "-" for v in vals) + " |")
         return "\n".join(lines) + "\n"
 
     def csv(self) -> str:
         buf = io.StringIO()
         per_class = [f"IoU_{c}" for c in self.class_names]
+        scores = INTERVAL_CSV[self.task] if self._intervals else ()
+        extra = [f"{s}_{k}" for s in scores for k in ("ci95_low", "ci95_high")]
+        extra += [f"delta_{s}{k}" for s in scores for k in ("", "_ci95_low", "_ci95_high")]
         wr = csv.writer(buf, lineterminator="\n")
-        wr.writerow(["method", *self.columns, *per_class, "images"])
+        wr.writerow(["method", *self.columns, *per_class, "images", *extra])
         for r in self.rows:
             iou = r.get("iou") or {}
+            delta = r.get("delta") or {}
             wr.writerow([r["method"], *(r[c] for c in self.columns),
-                         *("" if iou.get(c) is None else iou[c] for c in self.class_names), r["images"]])
+                         *("" if iou.get(c) is None else iou[c] for c in self.class_names), r["images"],
+                         *(v for s in scores for v in r["ci95"][s]),
+                         *(v for s in scores for v in delta.get(s, ("", "", "")))])
         return buf.getvalue()
 
     def write(self, out: Path) -> None:
         atomic_write_json(out / "results.json", self.rows)
         atomic_write_text(out / "results.csv", self.csv())
         atomic_write_text(out / "results.md", self.markdown())
+
+
+def add_intervals(results: Results, boot: Bootstrap, keys: Sequence[str]) -> None:
+    """Put the bootstrap intervals into ``results.rows`` (in percent, rounded to 1e-4):
+    ``ci95`` per row and, for every row after the first, ``delta`` against the first row
+    (``keys[i]`` is row ``i``'s method in ``boot``)."""
+    scores = INTERVAL_SCORES[results.task]
+    if boot.level != 0.95:
+        raise ValueError(f"the tables name 95% intervals, got level {boot.level}")
+    ref_row, ref = results.rows[0], keys[0]
+    for row, key in zip(results.rows, keys):
+        row["ci95"] = {s: [round(100 * v, 4) for v in boot.interval(key, s)] for s in scores}
+        if row is ref_row:
+            continue
+        delta = {"vs": ref_row["method"]}
+        for s in scores:
+            lo, hi = boot.difference(key, ref, s)
+            delta[s] = [round(row[s] - ref_row[s], 4), round(100 * lo, 4), round(100 * hi, 4)]
+        row["delta"] = delta
 
 
 def _row(label: str, state: State, class_names: Sequence[str] = ()) -> dict[str, Any]:
@@ -617,6 +667,13 @@ def class_names_of(dataset: Any) -> tuple[str, ...]:
 # ---------------------------------------------------------------------------------------
 # the run
 # ---------------------------------------------------------------------------------------
+
+
+def _bootstrap_reps(cfg: DictConfig) -> int:
+    reps = cfg.get("bootstrap", 0)
+    if not isinstance(reps, int) or isinstance(reps, bool) or reps < 0:
+        raise ConfigError(f"bootstrap must be a whole number of resamples >= 0 (0 = off), got {reps!r}")
+    return int(reps)
 
 
 def _output_dir(cfg: DictConfig) -> Path:
@@ -700,6 +757,7 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
     mask_at = str(cfg.get("mask_at", "image"))
     if mask_at not in ("image", "grid"):
         raise ConfigError(f"mask_at must be 'image' or 'grid', got {mask_at!r}")
+    reps = _bootstrap_reps(cfg)
 
     dataset = _instantiate_dataset(cfg)
     specs = resolve_methods(cfg)
@@ -771,6 +829,10 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
         row["images_per_s"] = round(len(todo) / elapsed, 4) if todo and scored else None
         row["method_ms_per_image"] = round(1e3 * timing.method_s[s.key] / scored, 3) if scored else None
         results.rows.append(row)
+    if reps and len(indices) > 1:  # the same resampled images for every row: paired deltas
+        boot = bootstrap({s.key: [state_from_dict(per_image[i][s.key]) for i in indices] for s in specs},
+                         reps=reps, level=0.95, seed=int(cfg.get("seed") or 0))
+        add_intervals(results, boot, [s.key for s in specs])
     if any(prompted.get(i) is not None for i in indices):  # a text-conditioned backbone
         count = sum(bool(prompted.get(i)) for i in indices)
         for row in results.rows:

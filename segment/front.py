@@ -372,7 +372,8 @@ _HELP = {
             ("model.checkpoint=PATH", "offline machines: local weights"),
         ],
         settings="methods=[...]  include_default=true  device=auto  batch_size=8  num_workers=0  limit=N\n"
-                 "  mask_at=image|grid  cache=true  panels=4  progress=true  seed=0",
+                 "  bootstrap=1000 (95% intervals; 0 = off)  mask_at=image|grid  cache=true  panels=4\n"
+                 "  progress=true  seed=0",
     ),
 }
 

@@ -196,9 +196,17 @@ def test_end_to_end_one_pass_per_batch(folder, tmp_path, counting, capsys):
     rows = read_rows(out)
     assert [r["method"] for r in rows] == ["cls_attention", "rollout", "bounce", "tr_l2"]
     ref = _reference_rows(folder, cfg, [r["method"] for r in rows], bb.inner)
-    for r in rows:
-        assert set(r) == {"method", "pixAcc", "mIoU", "mIoU_CA", "mAP", "images"}
+    for i, r in enumerate(rows):
+        base = {"method", "pixAcc", "mIoU", "mIoU_CA", "mAP", "images", "ci95"}
+        assert set(r) == (base if i == 0 else base | {"delta"})  # bootstrap intervals (default)
         assert r["images"] == 5
+        for k in ("pixAcc", "mIoU", "mAP"):
+            lo, hi = r["ci95"][k]
+            assert 0 <= lo <= hi <= 100
+            if i:  # paired differences to the first row
+                d, dlo, dhi = r["delta"][k]
+                assert d == pytest.approx(r[k] - rows[0][k], abs=1e-4) and dlo <= dhi
+        assert i == 0 or r["delta"]["vs"] == "cls_attention"
         sc = ref[r["method"]].scores()
         for k in ("pixAcc", "mIoU", "mIoU_CA", "mAP"):
             assert r[k] == pytest.approx(100 * getattr(sc, k), abs=1e-3), (r["method"], k)  # fused/manual SDPA float noise
@@ -324,6 +332,37 @@ def test_limit_and_errors(folder, tmp_path, capsys):
     assert "dataset.root" in capsys.readouterr().err
     assert run_eval(cfg_for(*TINY, f"dataset.root={folder}", f"output={out}", "methods=[nope]")) == EXIT_BAD_INPUT
     assert "nope" in capsys.readouterr().err
+
+
+def test_bootstrap_knob(folder, tmp_path, capsys):
+    """``bootstrap=N`` resamples for the intervals (the same seed: the same intervals, a
+    paired difference of a row with its twin is exactly 0); ``0`` turns them off; a bad
+    value stops before any scoring, in one line."""
+    twins = "methods=[{config:cls_attention,name:twin}]"
+    out = tmp_path / "on"
+    assert run_eval(cfg_for(*TINY, f"dataset.root={folder}", f"output={out}", twins, "bootstrap=200")) == EXIT_OK
+    first, twin = read_rows(out)
+    assert twin["delta"] == {"vs": "cls_attention", "pixAcc": [0.0, 0.0, 0.0], "mIoU": [0.0, 0.0, 0.0],
+                             "mAP": [0.0, 0.0, 0.0]}
+    assert twin["ci95"] == first["ci95"]
+    again = tmp_path / "again"  # a fresh run with the same seed
+    assert run_eval(cfg_for(*TINY, f"dataset.root={folder}", f"output={again}", twins, "bootstrap=200")) == EXIT_OK
+    assert read_rows(again)[0]["ci95"] == first["ci95"]
+    other = tmp_path / "other"
+    assert run_eval(cfg_for(*TINY, f"dataset.root={folder}", f"output={other}", "bootstrap=200", "seed=1")) == EXIT_OK
+    assert read_rows(other)[0]["ci95"] != first["ci95"]
+    off = tmp_path / "off"
+    assert run_eval(cfg_for(*TINY, f"dataset.root={folder}", f"output={off}", twins, "bootstrap=0")) == EXIT_OK
+    assert all("ci95" not in r and "delta" not in r for r in read_rows(off))
+    assert "95% CI" not in (off / "results.md").read_text()
+    assert "ci95" not in (off / "results.csv").read_text()
+    capsys.readouterr()
+    for bad in ("bootstrap=-1", "bootstrap=2.5", "bootstrap=true"):
+        bad_out = tmp_path / "bad"
+        assert run_eval(cfg_for(*TINY, f"dataset.root={folder}", f"output={bad_out}", bad)) == EXIT_BAD_INPUT
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "bootstrap must be a whole number of resamples >= 0" in err[0]
+        assert not bad_out.exists()
 
 
 def test_mask_at_image_and_grid():
@@ -474,7 +513,8 @@ def test_label_folder_tables_and_panels(tmp_path, quantile_methods, counting, ca
                   "include_default=false", "+methods.quant._target_=segment_test_methods.QuantileRegions", "panels=1")
     assert run_eval(cfg) == EXIT_OK
     (row,) = read_rows(out)
-    assert set(row) == {"method", "pixAcc", "mIoU", "regions", "iou", "images"}
+    assert set(row) == {"method", "pixAcc", "mIoU", "regions", "iou", "images", "ci95"}
+    assert set(row["ci95"]) == {"pixAcc", "mIoU"} and row["ci95"]["mIoU"][0] <= row["ci95"]["mIoU"][1]
     assert list(row["iou"]) == ["road", "sky", "car"] and row["images"] == 3
     # the same from the metric on the method's own labels at the label resolution (30 x 40)
     from segment.datasets.multiclass import LabelFolder
@@ -494,11 +534,16 @@ def test_label_folder_tables_and_panels(tmp_path, quantile_methods, counting, ca
     assert row["regions"] == pytest.approx(sc.regions) and row["regions"] == 3.0
     assert [row["iou"][c] for c in ("road", "sky", "car")] == pytest.approx([100 * x for x in sc.iou])
     lines = list(csv.reader((out / "results.csv").read_text().splitlines()))
-    assert lines[0] == ["method", "pixAcc", "mIoU", "regions", "IoU_road", "IoU_sky", "IoU_car", "images"]
+    assert lines[0] == ["method", "pixAcc", "mIoU", "regions", "IoU_road", "IoU_sky", "IoU_car", "images",
+                        "mIoU_ci95_low", "mIoU_ci95_high", "delta_mIoU", "delta_mIoU_ci95_low",
+                        "delta_mIoU_ci95_high"]
     assert float(lines[1][6]) == pytest.approx(row["iou"]["car"], abs=0.006)
+    assert [float(x) for x in lines[1][8:10]] == row["ci95"]["mIoU"] and lines[1][10:] == ["", "", ""]
     md = (out / "results.md").read_text().splitlines()
-    assert md[0] == "| method | pixAcc | mIoU | regions | road | sky | car | images |"
+    assert md[0] == "| method | pixAcc | mIoU | regions | road | sky | car | images | mIoU 95% CI | ΔmIoU vs quant (95% CI) |"
     assert md[2].startswith(f"| quant | {row['pixAcc']:.2f} | {row['mIoU']:.2f} | 3.00 |")
+    lo, hi = row["ci95"]["mIoU"]
+    assert md[2].endswith(f"| 3 | {lo:.2f}-{hi:.2f} | - |")
     panel = np.asarray(Image.open(out / "panels" / "s0.png").convert("RGB"))
     assert panel.shape[1] == 3 * (40 + 4)  # image | labels | ground truth
     from segment.eval.runner import class_palette
@@ -573,10 +618,13 @@ def test_ecssd_dev_cls_attention_matches_reference(ecssd_dev, dinov2_weights, tm
     cfg = cfg_for(
         "model=dinov2_vits14", f"model.checkpoint={dinov2_weights}", "device=cpu", "progress=false",
         "dataset=folder", f"dataset.root={ecssd_dev}", f"output={out}", "batch_size=10", "panels=0",
-        "methods=[rollout]",
+        "methods=[rollout,cls_keychain]",
     )
     assert run_eval(cfg) == EXIT_OK
     rows = {r["method"]: r for r in read_rows(out)}
+    # cls_keychain, REFERENCE.md's strongest peer: 91.35 / 80.36 / 84.08 / 95.74
+    for k, v in {"pixAcc": 91.35, "mIoU": 80.36, "mIoU_CA": 84.08, "mAP": 95.74}.items():
+        assert rows["cls_keychain"][k] == pytest.approx(v, abs=0.1), (k, rows["cls_keychain"][k], v)
     cls = rows["cls_attention"]
     assert cls["images"] == 100
     for k, v in ECSSD_REFERENCE.items():

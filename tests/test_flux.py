@@ -625,7 +625,8 @@ def test_segment_eval_flux_experiment_end_to_end(tmp_path, monkeypatch):
     assert sorted(r["method"] for r in rows) == sorted(want) and rows[0]["method"] == "flux_bounce2"
     for r in rows:
         assert r["images"] == 3
-        assert all(0.0 <= r[k] <= 100.0 for k in r if k not in ("method", "images", *TIMING_KEYS))
+        assert all(0.0 <= r[k] <= 100.0 for k in r if k not in ("method", "images", "ci95", "delta", *TIMING_KEYS))
+        assert all(0.0 <= lo <= hi <= 100.0 for lo, hi in r["ci95"].values())
     by = {r["method"]: r for r in rows}
     # by construction: one joint bounce is an affine image of one grid bounce (same masks, AP)
     # (forward only: the source direction weighs several query tokens by 1 / column sums of
