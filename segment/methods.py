@@ -13,6 +13,8 @@ distribution: uniform over the query tokens, e.g. one-hot on CLS; ``P`` the *pat
 uniform); ``pi`` restricted to the grid is written ``[.]_grid``):
 
 * ``cls_attention``: ``[s^T A]_grid``, the CLS row over the patches (not renormalised).
+* ``cls_keychain``: that map after one step of the key chain ``K_ij = softmax_j(cos(k_i,
+  k_j) / T)`` over the grid tokens' keys (heads concatenated): ``K [s^T A]_grid``.
 * ``rollout`` (Abnar & Zuidema 2020, the baseline): per layer ``Â_l = rownorm((1-r) A_l +
   r I)`` (``r = 0.5``), ``R = Â_{L-1} ... Â_1 Â_0`` (the product that maps input tokens to
   the last layer's tokens), heatmap ``[s^T R]_grid``.
@@ -82,11 +84,13 @@ from segment.reduce import fuse_layer
 __all__ = [
     "Bounce",
     "ClsAttention",
+    "ClsKeyChain",
     "Method",
     "RegionGrow",
     "Rollout",
     "TokenRank",
     "grid_weights",
+    "keychain_step",
     "patch_chain",
     "start_distribution",
 ]
@@ -384,6 +388,76 @@ class ClsAttention(Method):
         s = start_distribution(record, attn.shape[-1], attn.dtype, attn.device)
         rows = (s[:, None, None, :] @ attn)[:, :, 0]  # (B, H', N), H' = 1 unless heads=mean
         return _grid_part(rows.mean(1), record.layout)
+
+
+def keychain_step(record: AttentionRecord, heat: Tensor, layers: Sequence[int], temperature: float,
+                  name: str = "cls_keychain") -> Tensor:
+    """One step of the key chain over a grid map, averaged over ``layers``.
+
+    ``s_i <- sum_j P_ij s_j`` with ``P = softmax_j(cos(k_i, k_j) / temperature)`` on each
+    layer's grid-token keys, the heads' keys concatenated (:func:`segment.regions.key_chain`).
+
+    Args:
+        record: holds the keys of ``layers`` (``Capture.keys``).
+        heat: ``(B, h, w)`` the map to smooth.
+        layers: captured layer indices whose chains are averaged.
+        temperature: the key chain's softmax temperature (> 0).
+        name: the calling method, for the error.
+
+    Returns:
+        ``(B, h, w)`` float32.
+    """
+    from segment.regions import key_chain
+
+    b, h, w = heat.shape
+    out = []
+    for i in layers:
+        if i not in record.keys:
+            raise ValueError(
+                f"{name}: needs the keys of layer {i}; capture with method.capture(num_layers)"
+                " (Capture.keys)"
+            )
+        k = _as_compute(record.keys[i][:, :, record.layout.patches])  # (B, H, n, D)
+        chain = key_chain(k.transpose(1, 2).flatten(2), temperature)  # (B, n, n)
+        out.append(torch.einsum("bij,bj->bi", chain.to(heat), heat.flatten(1)))
+    return torch.stack(out).mean(0).view(b, h, w)
+
+
+@dataclass
+class ClsKeyChain(ClsAttention):
+    """CLS attention smoothed by one step of the key chain (``cls_keychain`` of the dev
+    sets' REFERENCE.md, the strongest simple peer there).
+
+    The CLS map of the selected layers (heads fused by ``heads``, layers averaged) takes one
+    step of each layer's key chain ``softmax_j(cos(k_i, k_j) / key_temperature)`` (heads'
+    keys concatenated); the layers' results are averaged (:func:`keychain_step`). It is the
+    foreground score of ``regions`` with ``score: keychain``.
+
+    Attributes:
+        key_temperature: the key chain's softmax temperature.
+    """
+
+    name: str = "cls_keychain"
+    key_temperature: float = 0.05
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.average_layers:
+            raise ValueError(
+                f"{self.name}: average_layers is not a knob here: the CLS maps of the layers are"
+                " averaged, then smoothed by each layer's key chain (set layers instead)"
+            )
+        if not float(self.key_temperature) > 0:
+            raise ValueError(f"{self.name}: key_temperature must be > 0, got {self.key_temperature!r}")
+
+    def capture(self, num_layers: int) -> Capture:
+        c = super().capture(num_layers)
+        return Capture(layers=c.layers, heads=c.heads, keys=True)
+
+    def __call__(self, record: AttentionRecord) -> MethodOutput:
+        cls = super().__call__(record).heatmap.float()  # (B, h, w) mean over the layers
+        heat = keychain_step(record, cls, self._resolve(record), float(self.key_temperature), self.name)
+        return MethodOutput(heatmap=heat)
 
 
 @dataclass
@@ -738,29 +812,16 @@ class RegionGrow(Method):
         """``(B, h, w)`` the foreground score on the grid.
 
         ``score: cls``: the CLS attention of ``score_layers`` (mean of heads).
-        ``score: keychain``: that map after one step of the key chain of the same layers,
-        ``s_i <- sum_j P_ij s_j`` with ``P = softmax(cos(k_i, k_j) / key_temperature)`` on
-        the concatenated keys of all heads (``cls_keychain`` of ecssd-dev/REFERENCE.md):
-        every token takes the mean score of the tokens whose keys resemble its own, so a
-        whole object lights up, not only its most attended parts. Layers are averaged.
+        ``score: keychain``: that map after one step of the key chain of the same layers
+        (:func:`keychain_step`, ``cls_keychain`` of ecssd-dev/REFERENCE.md and the
+        :class:`ClsKeyChain` method): every token takes the mean score of the tokens whose
+        keys resemble its own, so a whole object lights up, not only its most attended parts.
         """
         cls = self._score(record).heatmap.float()
         if self.score == "cls":
             return cls
-        from segment.regions import key_chain
-
-        b, h, w = cls.shape
-        out = []
-        for i in self._score._resolve(record):
-            if i not in record.keys:
-                raise ValueError(
-                    f"{self.name}: score=keychain needs the keys of layer {i}; capture with"
-                    " method.capture(num_layers) (Capture.keys)"
-                )
-            k = _as_compute(record.keys[i][:, :, record.layout.patches])  # (B, H, n, D)
-            chain = key_chain(k.transpose(1, 2).flatten(2), float(self.key_temperature))
-            out.append(torch.einsum("bij,bj->bi", chain.to(cls), cls.flatten(1)))
-        return torch.stack(out).mean(0).view(b, h, w)
+        return keychain_step(record, cls, self._score._resolve(record), float(self.key_temperature),
+                             self.name)
 
     # the chain over grid tokens ----------------------------------------------------------
 

@@ -11,7 +11,7 @@ import torch
 
 from segment import regions as rg
 from segment.masks import to_masks
-from segment.methods import ClsAttention, RegionGrow
+from segment.methods import ClsAttention, ClsKeyChain, RegionGrow
 from segment.record import AttentionRecord, Capture, TokenLayout
 
 
@@ -533,6 +533,29 @@ def test_keychain_score_is_one_pull_step_of_the_key_chain():
     with pytest.raises(ValueError, match="score must be one of"):
         RegionGrow(score="nope")
     assert RegionGrow(score="keychain", chain="attention").capture(12).keys
+
+
+def test_cls_keychain_method_is_the_score_map_of_regions():
+    """method=cls_keychain: the same float64 hand computation as above, equal to the
+    foreground score of regions (score=keychain); it asks for the keys; bad knobs refused."""
+    rec = planted_record_with_keys()
+    got = ClsKeyChain(layers=[0])(rec).heatmap[0].double()
+    k = rec.keys[0][0, :, 1:].double().transpose(0, 1).reshape(64, -1)
+    k = k / k.norm(dim=-1, keepdim=True)
+    cls = ClsAttention(layers=[0])(rec).heatmap[0].double().flatten()
+    assert torch.allclose(got.flatten(), torch.softmax(k @ k.T / 0.05, dim=-1) @ cls, atol=1e-6)
+    regions = RegionGrow(chain="keys", score="keychain", layers=[0], score_layers=[0], refine_steps=0)
+    assert torch.equal(ClsKeyChain(layers=[0])(rec).heatmap, regions.score_map(rec))
+    sharper = ClsKeyChain(layers=[0], key_temperature=0.02)(rec).heatmap[0].double()
+    assert not torch.allclose(sharper, got, atol=1e-4)  # the temperature is a real knob
+    cap = ClsKeyChain().capture(12)
+    assert cap.keys and cap.layers == (11,) and cap.heads == "mean"
+    with pytest.raises(ValueError, match="needs the keys of layer 0"):
+        ClsKeyChain(layers=[0])(planted_record())
+    with pytest.raises(ValueError, match="key_temperature must be > 0"):
+        ClsKeyChain(key_temperature=0)
+    with pytest.raises(ValueError, match="average_layers is not a knob"):
+        ClsKeyChain(layers=[-1, -2], average_layers=True)
 
 
 def test_blend_heat_ranks_the_mask_first_then_the_scores():
