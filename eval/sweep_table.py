@@ -10,7 +10,9 @@ the set's ``REFERENCE.md``; the best row of the first table there that has a ``m
 (the default input size) is the bar. A binary set (rows with ``mAP``) must beat it by
 ``--binary-margin`` mIoU (2) and match its best mAP; a multi-class set (rows with
 ``regions``) by ``--scene-margin`` (3). The last columns give every set's margin and the
-worst set, the one a recipe is chosen by. Writes ``OUT.md`` and ``OUT.csv``.
+worst set, the one a recipe is chosen by. A run with bootstrap intervals (``segment-eval``'s
+``bootstrap``, on by default) adds a column per set: each recipe's mIoU difference to that
+run's first row (the default) with its paired 95% interval. Writes ``OUT.md`` and ``OUT.csv``.
 """
 
 from __future__ import annotations
@@ -69,10 +71,15 @@ def main(argv: list[str] | None = None) -> int:
         runs[name] = {row["method"]: row for row in json.loads(results.read_text())}
         refs[name] = best_reference(Path(ref))
     methods = list(dict.fromkeys(m for rows in runs.values() for m in rows))
+    # runs with bootstrap intervals: each recipe's paired mIoU difference to the run's first row
+    paired = {name: next(iter(rows)) for name, rows in runs.items()
+              if any("delta" in r for r in rows.values())}
     header = ["recipe"]
     for name, rows in runs.items():
         scene = any("regions" in r and "mAP" not in r for r in rows.values())
         header += [f"{name} pixAcc", f"{name} mIoU"] + ([f"{name} regions/img"] if scene else [f"{name} mAP"])
+        if name in paired:
+            header.append(f"{name} ΔmIoU vs {paired[name]} (95% CI)")
     header += [f"mIoU over best REFERENCE ({' / '.join(runs)})", "worst set (margin over its target)"]
     table = []
     for m in methods:
@@ -81,10 +88,13 @@ def main(argv: list[str] | None = None) -> int:
             r = rows.get(m)
             scene = "regions" in (r or {}) and "mAP" not in (r or {})
             if r is None:
-                row += ["", "", ""]
+                row += ["", "", ""] + ([""] if name in paired else [])
                 continue
             row += [f"{r['pixAcc']:.2f}", f"{r['mIoU']:.2f}",
                     f"{r['regions']:.1f}" if scene else f"{r['mAP']:.2f}"]
+            if name in paired:
+                d = (r.get("delta") or {}).get("mIoU")
+                row.append("-" if d is None else f"{d[0]:+.2f} ({d[1]:+.2f}, {d[2]:+.2f})")
             over = r["mIoU"] - refs[name]["mIoU"]
             target = args.scene_margin if scene else args.binary_margin
             slack = over - target

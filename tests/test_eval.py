@@ -698,4 +698,20 @@ def test_sweep_table_margins_and_worst_set(tmp_path):
     # y: bin +1.50 (slack -0.50; mAP +1.0), scene +3.50 (slack +0.50)
     assert rows[3].endswith("| +1.50 / +3.50 | bin (-0.50) |")
     assert "scene regions/img" in rows[0] and "bin mAP" in rows[0]
+    assert "ΔmIoU" not in rows[0]  # runs without intervals
     assert (tmp_path / "t.csv").read_text().count("\n") == 3
+    # a run with intervals: the paired difference to its first row, per recipe
+    scene = json.loads((tmp_path / "scene" / "results.json").read_text())
+    scene[0]["ci95"] = {"mIoU": [39.0, 41.0]}
+    scene[1]["ci95"] = {"mIoU": [38.4, 40.6]}
+    scene[1]["delta"] = {"vs": "x", "mIoU": [-0.5, -1.25, 0.25]}
+    (tmp_path / "scene" / "results.json").write_text(json.dumps(scene))
+    assert sweep_table.main([f"bin={tmp_path / 'bin'}:{tmp_path / 'REF_B.md'}",
+                             f"scene={tmp_path / 'scene'}:{tmp_path / 'REF_S.md'}",
+                             "--out", str(tmp_path / "t2")]) == 0
+    rows = (tmp_path / "t2.md").read_text().splitlines()
+    header = [c.strip() for c in rows[0].strip("|").split("|")]
+    col = header.index("scene ΔmIoU vs x (95% CI)")
+    assert header[col - 1] == "scene regions/img" and "bin ΔmIoU vs x (95% CI)" not in header
+    assert [c.strip() for c in rows[2].strip("|").split("|")][col] == "-"
+    assert [c.strip() for c in rows[3].strip("|").split("|")][col] == "-0.50 (-1.25, +0.25)"
