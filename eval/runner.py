@@ -592,7 +592,9 @@ class Results:
     def markdown(self) -> str:
         extra: list[str] = []
         if self._intervals:
-            extra = ["mIoU 95% CI", f"ΔmIoU vs {self.rows[0]['method']} (95% CI)"]
+            extra = ["mIoU 95% CI"]
+            if len(self.rows) > 1:
+                extra.append(f"ΔmIoU vs {self.rows[0]['method']} (95% CI)")
         cols = ("method", *self.columns, *self.class_names, "images", *extra)
         lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for r in self.rows:
@@ -600,7 +602,7 @@ class Results:
                     str(r["images"])]
             if extra:
                 lo, hi = r["ci95"]["mIoU"]
-                vals += [f"{lo:.2f}-{hi:.2f}", self._delta_text(r, "mIoU")]
+                vals += [f"{lo:.2f}-{hi:.2f}", self._delta_text(r, "mIoU")][: len(extra)]
             lines.append("| " + " | ".join(v or "-" for v in vals) + " |")
         return "\n".join(lines) + "\n"
 
@@ -608,8 +610,9 @@ class Results:
         buf = io.StringIO()
         per_class = [f"IoU_{c}" for c in self.class_names]
         scores = INTERVAL_CSV[self.task] if self._intervals else ()
+        deltas = scores if len(self.rows) > 1 else ()
         extra = [f"{s}_{k}" for s in scores for k in ("ci95_low", "ci95_high")]
-        extra += [f"delta_{s}{k}" for s in scores for k in ("", "_ci95_low", "_ci95_high")]
+        extra += [f"delta_{s}{k}" for s in deltas for k in ("", "_ci95_low", "_ci95_high")]
         wr = csv.writer(buf, lineterminator="\n")
         wr.writerow(["method", *self.columns, *per_class, "images", *extra])
         for r in self.rows:
@@ -618,7 +621,7 @@ class Results:
             wr.writerow([r["method"], *(r[c] for c in self.columns),
                          *("" if iou.get(c) is None else iou[c] for c in self.class_names), r["images"],
                          *(v for s in scores for v in r["ci95"][s]),
-                         *(v for s in scores for v in delta.get(s, ("", "", "")))])
+                         *(v for s in deltas for v in delta.get(s, ("", "", "")))])
         return buf.getvalue()
 
     def write(self, out: Path) -> None:

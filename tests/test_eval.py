@@ -345,6 +345,14 @@ def test_bootstrap_knob(folder, tmp_path, capsys):
     assert twin["delta"] == {"vs": "cls_attention", "pixAcc": [0.0, 0.0, 0.0], "mIoU": [0.0, 0.0, 0.0],
                              "mAP": [0.0, 0.0, 0.0]}
     assert twin["ci95"] == first["ci95"]
+    lines = list(csv.reader((out / "results.csv").read_text().splitlines()))
+    assert lines[0][6:] == ["mIoU_ci95_low", "mIoU_ci95_high", "mAP_ci95_low", "mAP_ci95_high", "delta_mIoU",
+                            "delta_mIoU_ci95_low", "delta_mIoU_ci95_high", "delta_mAP", "delta_mAP_ci95_low",
+                            "delta_mAP_ci95_high"]
+    assert lines[1][10:] == [""] * 6 and [float(x) for x in lines[2][10:]] == [0.0] * 6
+    md = (out / "results.md").read_text().splitlines()
+    assert md[0].endswith("| images | mIoU 95% CI | ΔmIoU vs cls_attention (95% CI) |")
+    assert md[3].endswith("| +0.00 (+0.00, +0.00) |") and md[2].endswith(" | - |")
     again = tmp_path / "again"  # a fresh run with the same seed
     assert run_eval(cfg_for(*TINY, f"dataset.root={folder}", f"output={again}", twins, "bootstrap=200")) == EXIT_OK
     assert read_rows(again)[0]["ci95"] == first["ci95"]
@@ -534,16 +542,16 @@ def test_label_folder_tables_and_panels(tmp_path, quantile_methods, counting, ca
     assert row["regions"] == pytest.approx(sc.regions) and row["regions"] == 3.0
     assert [row["iou"][c] for c in ("road", "sky", "car")] == pytest.approx([100 * x for x in sc.iou])
     lines = list(csv.reader((out / "results.csv").read_text().splitlines()))
+    # one row: its interval, no difference columns
     assert lines[0] == ["method", "pixAcc", "mIoU", "regions", "IoU_road", "IoU_sky", "IoU_car", "images",
-                        "mIoU_ci95_low", "mIoU_ci95_high", "delta_mIoU", "delta_mIoU_ci95_low",
-                        "delta_mIoU_ci95_high"]
+                        "mIoU_ci95_low", "mIoU_ci95_high"]
     assert float(lines[1][6]) == pytest.approx(row["iou"]["car"], abs=0.006)
-    assert [float(x) for x in lines[1][8:10]] == row["ci95"]["mIoU"] and lines[1][10:] == ["", "", ""]
+    assert [float(x) for x in lines[1][8:10]] == row["ci95"]["mIoU"]
     md = (out / "results.md").read_text().splitlines()
-    assert md[0] == "| method | pixAcc | mIoU | regions | road | sky | car | images | mIoU 95% CI | ΔmIoU vs quant (95% CI) |"
+    assert md[0] == "| method | pixAcc | mIoU | regions | road | sky | car | images | mIoU 95% CI |"
     assert md[2].startswith(f"| quant | {row['pixAcc']:.2f} | {row['mIoU']:.2f} | 3.00 |")
     lo, hi = row["ci95"]["mIoU"]
-    assert md[2].endswith(f"| 3 | {lo:.2f}-{hi:.2f} | - |")
+    assert md[2].endswith(f"| 3 | {lo:.2f}-{hi:.2f} |")
     panel = np.asarray(Image.open(out / "panels" / "s0.png").convert("RGB"))
     assert panel.shape[1] == 3 * (40 + 4)  # image | labels | ground truth
     from segment.eval.runner import class_palette
