@@ -558,29 +558,18 @@ def _additive(states: Sequence[State]) -> tuple[str, np.ndarray]:
     raise ValueError("states to resample must all be binary or all multi-class")
 
 
-def _scores_of_sums(kind: str, sums: np.ndarray) -> dict[str, np.ndarray]:
-    """The headline scores (fractions) of summed rows ``(..., F)``, as :meth:`scores`
-    computes them from one summed state (vectorised over the leading dimensions)."""
-    with np.errstate(invalid="ignore", divide="ignore"):
-        if kind == "binary":
-            correct, labeled, i0, i1, u0, u1, ap, n = np.moveaxis(sums, -1, 0)
-            iou = [np.where(u > 0, i / np.where(u > 0, u, 1), 0.0) for i, u in ((i0, u0), (i1, u1))]
-            return {
-                "pixAcc": np.where(labeled > 0, correct / np.where(labeled > 0, labeled, 1), 0.0),
-                "mIoU": (iou[0] + iou[1]) / 2,
-                "mAP": np.where(n > 0, ap / np.where(n > 0, n, 1), 0.0),
-            }
-        k = (sums.shape[-1] - 2) // 3
-        tp, fp, fn = sums[..., :k], sums[..., k: 2 * k], sums[..., 2 * k: 3 * k]
-        labeled = sums[..., 3 * k]
-        den = tp + fp + fn
-        iou = np.where(den > 0, tp / np.where(den > 0, den, 1), np.nan)
-        seen = (den > 0).sum(-1)
-        miou = np.where(seen > 0, np.nansum(iou, -1) / np.maximum(seen, 1), 0.0)
-        return {
-            "pixAcc": np.where(labeled > 0, tp.sum(-1) / np.where(labeled > 0, labeled, 1), 0.0),
-            "mIoU": miou,
-        }
+def _headline(kind: str, sums: np.ndarray) -> dict[str, float]:
+    """The headline scores (fractions) of one summed row of :func:`_additive`, computed by
+    the states' own :meth:`scores` (one definition of every metric)."""
+    if kind == "binary":
+        c, lab, i0, i1, u0, u1, ap, n = sums.tolist()
+        sc = BinaryState(correct=c, labeled=lab, inter=[i0, i1], union=[u0, u1], ap_sum=ap, images=n).scores()
+        return {"pixAcc": sc.pixAcc, "mIoU": sc.mIoU, "mAP": sc.mAP}
+    k = (sums.shape[-1] - 2) // 3
+    row = sums.tolist()
+    sc = MulticlassState(tp=row[:k], fp=row[k: 2 * k], fn=row[2 * k: 3 * k], labeled=row[3 * k],
+                         images=row[3 * k + 1]).scores()
+    return {"pixAcc": sc.ACC, "mIoU": sc.mIoU}
 
 
 @dataclass(frozen=True)
@@ -588,9 +577,9 @@ class Bootstrap:
     """Percentile intervals of set-level scores from resampling the images.
 
     The images are drawn with replacement ``reps`` times (the same draws for every method,
-    so differences between methods are paired); each draw's scores are computed from the
-    summed additive states exactly as the whole set's are (sums first, then ratios: pixAcc
-    and mIoU over summed counts, mAP as the mean of per-image APs).
+    so differences between methods are paired); each draw's scores are the ``scores()`` of
+    its summed additive state, exactly as the whole set's are (sums first, then ratios:
+    pixAcc and mIoU over summed counts, mAP as the mean of per-image APs).
 
     Attributes:
         level: the interval's coverage, e.g. ``0.95``.
@@ -652,5 +641,6 @@ def bootstrap(per_method: dict[str, Sequence[State]], reps: int = 1000, level: f
     draws = {}
     for name, states in per_method.items():
         kind, v = _additive(states)
-        draws[name] = _scores_of_sums(kind, counts @ v)
+        scores = [_headline(kind, row) for row in counts @ v]  # one summed state per draw
+        draws[name] = {key: np.array([sc[key] for sc in scores]) for key in scores[0]}
     return Bootstrap(level=float(level), draws=draws)
