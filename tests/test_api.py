@@ -179,13 +179,18 @@ def test_pipeline_computes_through_the_segmenter(tmp_path, monkeypatch):
     assert calls == {"extract": 3, "apply": 3, "post": 5}
 
 
+@pytest.mark.parametrize("seed", [0, 103])
 @pytest.mark.parametrize("method", ["regions", "cls_attention", "kmeans"])
-def test_apply_runs_a_cpu_batch_as_two_halves_with_the_same_results(method, monkeypatch):
+def test_apply_runs_a_cpu_batch_as_two_halves_with_the_same_results(method, seed, monkeypatch):
     """On the CPU with 2 torch threads, Segmenter.apply runs the method on images 0-2 and
     3-4 of a batch of 5, each on one torch thread; the masks' inputs (labels, foreground)
-    equal the whole batch's, the heatmaps to float rounding."""
+    equal the whole batch's, the heatmaps to float rounding. The random weights are seeded
+    (the global generator's state otherwise depends on the tests run before): with seed 103
+    the regions heatmap's min-max normalisation magnifies the rounding to 1.7e-4, the largest
+    of 300 random tiny ViTs (labels and foreground equal in all of them)."""
     from segment.record import AttentionRecord
 
+    torch.manual_seed(seed)
     seg = segment.load("vit_tiny_random", method=method, device="cpu", image_size=112)
     pixels = torch.stack([seg.preprocess(_img(40 + 3 * i, 56, i)) for i in range(5)])
     record = seg.extract(pixels)
@@ -207,7 +212,8 @@ def test_apply_runs_a_cpu_batch_as_two_halves_with_the_same_results(method, monk
     finally:
         torch.set_num_threads(before)
     assert sorted(seen) == [(2, 1), (3, 1)]
-    torch.testing.assert_close(split.heatmap, whole.heatmap, atol=1e-6, rtol=0)
+    # a quarter of one 8-bit level of the heatmap PNG (1/255): the written files agree
+    torch.testing.assert_close(split.heatmap, whole.heatmap, atol=1e-3, rtol=0)
     if whole.labels is not None:
         assert torch.equal(split.labels, whole.labels)
         k = int(whole.labels.max()) + 1
