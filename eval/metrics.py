@@ -533,7 +533,6 @@ def total(states: Iterable[State], empty: State) -> State:
     return acc
 
 
-
 # ---------------------------------------------------------------------------- intervals
 
 
@@ -544,8 +543,6 @@ def _additive(states: Sequence[State]) -> tuple[str, np.ndarray]:
     images]``; multi-class rows: ``[tp (K), fp (K), fn (K), labeled, images]``. Counts stay
     exact in float64 (integers below 2^53).
     """
-    if not states:
-        raise ValueError("no states to resample")
     if all(isinstance(s, BinaryState) for s in states):
         return "binary", np.array([[s.correct, s.labeled, *s.inter, *s.union, s.ap_sum, s.images]
                                    for s in states], dtype=np.float64)
