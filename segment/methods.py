@@ -707,8 +707,9 @@ class RegionGrow(Method):
     3. ``steps``-bounce propagation from every seed, merged while the symmetric KL is below
        ``tau`` (``iterations`` rounds);
     4. soft assignment of tokens to proposals, upsampled to the backbone input, refined by
-       ``refine_steps`` bounces of the edge-aware pixel chain (needs ``record.pixels``),
-       argmax; regions split into connected components, components under
+       ``refine_steps`` bounces of the edge-aware pixel chain (needs ``record.pixels``;
+       run at ``refine_scale`` of the input resolution, see :meth:`_refine`), argmax;
+       regions split into connected components, components under
        ``min_area`` (fraction of the image) absorbed;
     5. foreground (binary tasks): a region whose mean score exceeds the score map's mean
        over the image; the score is the CLS attention of ``score_layers`` (mean of heads,
@@ -741,6 +742,7 @@ class RegionGrow(Method):
     refine_steps: int = 3
     refine_radius: int = 8
     refine_dilation: int = 4
+    refine_scale: float = 0.5
     sigma_space: float = 5.0
     sigma_color: float = 0.08
     min_area: float = 0.002
@@ -772,6 +774,7 @@ class RegionGrow(Method):
         for knob in ("tau", "key_temperature", "sigma_space", "sigma_color"):
             if not float(getattr(self, knob)) > 0:
                 raise ValueError(f"{self.name}: {knob} must be > 0, got {getattr(self, knob)!r}")
+        self._refine_px()  # refine_scale and the window it implies
         if not 0.0 <= float(self.key_weight) <= 1.0:
             raise ValueError(f"{self.name}: key_weight must lie in [0, 1], got {self.key_weight}")
         if not 0.0 <= float(self.min_area) < 1.0:
@@ -913,14 +916,10 @@ class RegionGrow(Method):
             prop_score = rg.region_scores(grid_prob.max(1).indices, cls, kp)
             prop_fg = prop_score > cls.flatten(1).mean(1, keepdim=True)
 
-        prob = F.interpolate(grid_prob, size=size, mode="bilinear", align_corners=False)
         if int(self.refine_steps) > 0 and record.pixels is not None:
-            prob = rg.pixel_chain_refine(
-                prob, record.pixels.to(prob.device), radius=int(self.refine_radius),
-                dilation=int(self.refine_dilation), sigma_space=float(self.sigma_space),
-                sigma_color=float(self.sigma_color), steps=int(self.refine_steps),
-                nonzero=grid_prob.flatten(2).any(2),  # bilinear upsampling keeps zero maps zero
-            )
+            prob = self._refine(grid_prob, record.pixels, size)
+        else:
+            prob = F.interpolate(grid_prob, size=size, mode="bilinear", align_corners=False)
         hard = prob.max(1).indices  # (B, H, W) proposal of every pixel (max: faster than argmax)
         if self.connectivity:
             area = int(round(float(self.min_area) * size[0] * size[1]))
@@ -965,6 +964,55 @@ class RegionGrow(Method):
         if self.label_tau is not None and float(self.label_tau) < float(self.tau):
             labels, foreground = self._finer_regions(dist, kl, labels, foreground, (h, w))
         return MethodOutput(heatmap=heat, labels=labels, foreground=foreground)
+
+    def _refine_px(self) -> tuple[int, int, float]:
+        """The pixel chain's window at ``refine_scale``: ``(radius, dilation, sigma_space)``
+        in pixels of the grid it runs on (the knobs are in pixels of the backbone input)."""
+        s = self.refine_scale
+        if isinstance(s, bool) or not 0.0 < float(s) <= 1.0:
+            raise ValueError(f"{self.name}: refine_scale must lie in (0, 1], got {s!r}")
+        s = float(s)
+        px = []
+        for knob in ("refine_radius", "refine_dilation"):
+            v = int(getattr(self, knob)) * s
+            if abs(v - round(v)) > 1e-6 or round(v) < 1:
+                raise ValueError(
+                    f"{self.name}: refine_scale={s} makes {knob}={getattr(self, knob)} px"
+                    f" {v:g} px on the refined grid; choose values whose product with"
+                    " refine_scale is a whole number >= 1"
+                )
+            px.append(int(round(v)))
+        return px[0], px[1], float(self.sigma_space) * s
+
+    def _refine(self, grid_prob: Tensor, pixels: Tensor, size: tuple[int, int]) -> Tensor:
+        """Soft assignment ``(B, K, h, w)`` on the grid -> refined ``(B, K, H, W)`` at the
+        backbone input ``size``.
+
+        ``refine_scale`` 1: bilinear upsampling to ``size``, then the pixel chain there.
+        Below 1 the chain runs on ``round(s H) x round(s W)`` pixels: the assignment is
+        upsampled bilinearly to that size, the image area-averaged to it, the window
+        (``refine_radius``, ``refine_dilation``, ``sigma_space``, all in input pixels) scaled
+        by ``s`` so it covers the same part of the image, and the refined maps upsampled
+        bilinearly to ``size``. The pixel chain's cost falls with ``s^2`` (the joint
+        bilateral upsampling idea: edges found at a lower resolution, then interpolated).
+        """
+        from segment import regions as rg
+
+        radius, dilation, sigma_space = self._refine_px()
+        s = float(self.refine_scale)
+        small = size if s == 1.0 else (max(1, round(size[0] * s)), max(1, round(size[1] * s)))
+        prob = F.interpolate(grid_prob, size=small, mode="bilinear", align_corners=False)
+        image = pixels.to(prob.device)
+        if small != size:
+            image = F.adaptive_avg_pool2d(image, small)
+        prob = rg.pixel_chain_refine(
+            prob, image, radius=radius, dilation=dilation, sigma_space=sigma_space,
+            sigma_color=float(self.sigma_color), steps=int(self.refine_steps),
+            nonzero=grid_prob.flatten(2).any(2),  # bilinear upsampling keeps zero maps zero
+        )
+        if small != size:
+            prob = F.interpolate(prob, size=size, mode="bilinear", align_corners=False)
+        return prob
 
     def _finer_regions(self, dist: Tensor, kl: Tensor, labels: Tensor, foreground: Tensor,
                        grid: tuple[int, int]) -> tuple[Tensor, Tensor]:

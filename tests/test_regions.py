@@ -822,3 +822,68 @@ def test_the_tiny_weight_threshold_equals_the_boolean_mask_it_replaces():
     got = torch.nn.functional.threshold_(x.clone(), rg._BELOW_TINY, -math.inf)
     assert torch.equal(got, want)
     assert got[0] == tiny and got[1] == -math.inf
+
+
+def _planted_record_with_pixels() -> AttentionRecord:
+    """:func:`planted_record` with an RGB input whose colour edges are the planted blocks'
+    boundaries, except the left/right one: at column 18 instead of the tokens' 16."""
+    rec = planted_record()
+    img = torch.zeros(1, 3, 32, 32)
+    img[0, 0] = 0.8  # left half: red
+    img[0, :, :16, 18:] = torch.tensor([0.1, 0.9, 0.1]).view(3, 1, 1)  # top right: green
+    img[0, :, 16:, 18:] = torch.tensor([0.1, 0.1, 0.9]).view(3, 1, 1)  # bottom right: blue
+    rec.pixels = img
+    return rec
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_refine_scale_snaps_the_mask_to_the_colour_edge(scale):
+    """The pixel chain moves the mask's left edge from the token boundary (column 16) to the
+    colour edge (column 18), at full and at half resolution (window scaled with it)."""
+    rec = _planted_record_with_pixels()
+    kw = dict(chain="attention", tau=0.5, layers=[0], score_layers=[0], refine_radius=4,
+              refine_dilation=2, sigma_space=2.0, refine_steps=8)
+    plain = RegionGrow(**kw | dict(refine_steps=0))(rec)
+    out = RegionGrow(**kw, refine_scale=scale)(rec)
+    want = torch.zeros(32, 32, dtype=torch.bool)
+    want[:16, 16:] = True
+    assert torch.equal(to_masks(plain, (32, 32))[1][0], want)
+    want[:, 16:18] = False
+    assert torch.equal(to_masks(out, (32, 32))[1][0], want)
+
+
+def test_refine_scale_runs_the_chain_on_the_smaller_grid():
+    """refine_scale=0.5 (the default): the chain of the half-size image (area-averaged) with
+    the window halved in pixels, on the assignment upsampled to that size, then upsampled;
+    1.0 is the chain at the input resolution (the default before the knob existed)."""
+    g = torch.Generator().manual_seed(0)
+    grid_prob = torch.softmax(3 * torch.randn(2, 4, 6, 8, generator=g), 1)
+    pixels = torch.rand(2, 3, 24, 32, generator=g)
+    kw = dict(refine_radius=4, refine_dilation=2, sigma_space=3.0, sigma_color=0.2, refine_steps=2)
+    up = torch.nn.functional.interpolate
+    half = RegionGrow(**kw, refine_scale=0.5)._refine(grid_prob, pixels, (24, 32))
+    small = rg.pixel_chain_refine(
+        up(grid_prob, size=(12, 16), mode="bilinear", align_corners=False),
+        pixels.view(2, 3, 12, 2, 16, 2).mean((3, 5)), radius=2, dilation=1, sigma_space=1.5,
+        sigma_color=0.2, steps=2)
+    torch.testing.assert_close(half, up(small, size=(24, 32), mode="bilinear", align_corners=False),
+                               atol=1e-6, rtol=0)
+    full = RegionGrow(**kw, refine_scale=1.0)._refine(grid_prob, pixels, (24, 32))
+    ref = rg.pixel_chain_refine(up(grid_prob, size=(24, 32), mode="bilinear", align_corners=False),
+                                pixels, radius=4, dilation=2, sigma_space=3.0, sigma_color=0.2,
+                                steps=2)
+    assert torch.equal(full, ref)
+    assert not torch.allclose(full, half, atol=1e-3)  # the knob changes the output
+    torch.testing.assert_close(half.sum(1), torch.ones(2, 24, 32), atol=1e-5, rtol=0)
+
+
+def test_refine_scale_refuses_windows_that_do_not_scale():
+    with pytest.raises(ValueError, match=r"refine_scale must lie in \(0, 1\]"):
+        RegionGrow(refine_scale=0.0)
+    with pytest.raises(ValueError, match=r"refine_scale must lie in \(0, 1\]"):
+        RegionGrow(refine_scale=1.5)
+    with pytest.raises(ValueError, match="refine_radius=5 px 2.5 px"):
+        RegionGrow(refine_scale=0.5, refine_radius=5)
+    with pytest.raises(ValueError, match="refine_dilation=1 px 0.5 px"):
+        RegionGrow(refine_scale=0.5, refine_dilation=1)
+    assert RegionGrow(refine_scale=0.25)._refine_px() == (2, 1, 1.25)
