@@ -977,8 +977,8 @@ class RegionGrow(Method):
             v = int(getattr(self, knob)) * s
             if abs(v - round(v)) > 1e-6 or round(v) < 1:
                 raise ValueError(
-                    f"{self.name}: refine_scale={s} makes {knob}={getattr(self, knob)} px"
-                    f" {v:g} px on the refined grid; choose values whose product with"
+                    f"{self.name}: refine_scale={s} turns {knob}={getattr(self, knob)} px"
+                    f" into {v:g} px on the refined grid; choose values whose product with"
                     " refine_scale is a whole number >= 1"
                 )
             px.append(int(round(v)))

@@ -882,8 +882,8 @@ def test_refine_scale_refuses_windows_that_do_not_scale():
         RegionGrow(refine_scale=0.0)
     with pytest.raises(ValueError, match=r"refine_scale must lie in \(0, 1\]"):
         RegionGrow(refine_scale=1.5)
-    with pytest.raises(ValueError, match="refine_radius=5 px 2.5 px"):
+    with pytest.raises(ValueError, match="refine_radius=5 px into 2.5 px"):
         RegionGrow(refine_scale=0.5, refine_radius=5)
-    with pytest.raises(ValueError, match="refine_dilation=1 px 0.5 px"):
+    with pytest.raises(ValueError, match="refine_dilation=1 px into 0.5 px"):
         RegionGrow(refine_scale=0.5, refine_dilation=1)
     assert RegionGrow(refine_scale=0.25)._refine_px() == (2, 1, 1.25)
