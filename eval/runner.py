@@ -266,7 +266,13 @@ def instantiate_method(spec: MethodSpec) -> Any:
     from hydra.utils import instantiate
 
     kwargs = {"name": spec.label} if "name" in spec.cfg else {}
-    method = instantiate(spec.cfg, **kwargs)
+    try:
+        method = instantiate(spec.cfg, **kwargs)
+    except Exception as e:  # a bad knob value: one line, exit 2 (Hydra wraps the error)
+        cause = e.__cause__ if type(e).__name__ == "InstantiationException" and e.__cause__ else e
+        if isinstance(cause, (ValueError, TypeError)):
+            raise ConfigError(f"cannot build method {spec.label!r}: {cause}") from e
+        raise
     if not callable(getattr(method, "capture", None)) or not callable(method):
         raise ConfigError(
             f"method {spec.label!r} ({spec.cfg.get('_target_')}) must have capture(num_layers)"
