@@ -80,6 +80,7 @@ from segment.utils import (  # noqa: F401  (exit codes re-exported for callers)
     atomic_path,
     atomic_write_json,
     atomic_write_text,
+    unwrap_instantiation,
 )
 
 log = logging.getLogger(__name__)
@@ -269,7 +270,7 @@ def instantiate_method(spec: MethodSpec) -> Any:
     try:
         method = instantiate(spec.cfg, **kwargs)
     except Exception as e:  # a bad knob value: one line, exit 2 (Hydra wraps the error)
-        cause = e.__cause__ if type(e).__name__ == "InstantiationException" and e.__cause__ else e
+        cause = unwrap_instantiation(e)
         if isinstance(cause, (ValueError, TypeError)):
             raise ConfigError(f"cannot build method {spec.label!r}: {cause}") from e
         raise
@@ -721,7 +722,7 @@ def _instantiate_model(cfg: DictConfig, device: torch.device) -> Any:
     try:
         return instantiate(cfg.model, **kwargs)
     except Exception as e:  # no weights offline, a checkpoint that does not fit: one line, exit 2
-        cause = e.__cause__ if type(e).__name__ == "InstantiationException" and e.__cause__ else e
+        cause = unwrap_instantiation(e)
         raise ConfigError(f"cannot build the model: {type(cause).__name__}: {cause}") from e
 
 
