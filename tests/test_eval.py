@@ -334,11 +334,12 @@ def test_limit_and_errors(folder, tmp_path, capsys):
     assert "nope" in capsys.readouterr().err
     # a knob value the method refuses: its message on one line, exit 2, no output folder
     bad = tmp_path / "bad"
-    for knobs in (["method=regions", "method.tau=-1"], ["methods=[{config:regions,name:r2,refine_scale:2}]"]):
+    for knobs, why in ((["method=regions", "method.tau=-1"], "'regions': regions: tau must be > 0"),
+                       (["methods=[{config:regions,name:r2,refine_scale:2}]"],
+                        "'r2': r2: refine_scale must lie in (0, 1]")):
         assert run_eval(cfg_for(*TINY, f"dataset.root={folder}", f"output={bad}", *knobs)) == EXIT_BAD_INPUT
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("segment-eval: cannot build method"), err
-        assert ("tau must be > 0" in err[0]) or ("refine_scale must lie in (0, 1]" in err[0])
+        assert len(err) == 1 and err[0].startswith(f"segment-eval: cannot build method {why}"), err
         assert not bad.exists()
 
 
