@@ -13,6 +13,7 @@ device, and compares them within the tolerance printed next to it:
   of the region partitions;
 - **regions**: kornia's union-find connected components (the CUDA path of
   :func:`segment.regions.connected_regions`) against scikit-image's, ids and all, exactly;
+  :func:`segment.masks.smooth_labels_at` on the device against the CPU, exactly;
 - **markov**: TokenRank on the device against the CPU, ``|lambda_2|`` (fast path, fp32) on
   the device against dense float64 eigenvalues on the CPU (protocol: 1e-4);
 - **flux**: the tiny FLUX (``models/flux_tiny.py``) captured on the device with and without
@@ -337,6 +338,13 @@ class SelfCheck:
         got = rg.connected_regions(lab.to(self.device), min_area=area).cpu()
         bad = sum(not torch.equal(ref[i], got[i]) for i in range(b))
         self.add("regions", f"connected_regions min_area={area}", "images differing", bad, 0)
+        from segment.masks import smooth_labels_at  # the torch path of device tensors
+
+        size = (3 * h + 1, 2 * w + 3)
+        ref = smooth_labels_at(lab, size)
+        got = smooth_labels_at(lab.to(self.device), size).cpu()
+        self.add("regions", f"smooth label upsampling to {size[0]}x{size[1]}", "pixels differing",
+                 int((ref != got).sum()), 0)
 
     def check_markov(self, model, x) -> None:
         """TokenRank and lambda_2 on the device; lambda_2 against dense float64."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -77,12 +78,104 @@ def threshold_mean(r: Tensor) -> Tensor:
     return r > r.flatten(1).mean(1).view(-1, 1, 1)
 
 
-def labels_at(labels: Tensor, size: tuple[int, int]) -> Tensor:
-    """Nearest-neighbour resize of ``(B, h, w)`` integer labels to ``size``."""
+LABEL_UPSAMPLING = ("nearest", "smooth")
+
+
+def labels_at(labels: Tensor, size: tuple[int, int], mode: str = "nearest") -> Tensor:
+    """Resize ``(B, h, w)`` integer labels to ``size``.
+
+    ``nearest``: nearest neighbour (the evaluation's rule). ``smooth``: every pixel takes
+    the region whose one-hot map, upsampled bilinearly (``align_corners=False``), is
+    largest there (ties: the smaller id), as the reference rows of ``camvid-dev`` upsample
+    their grids; region boundaries follow the bilinear interpolation instead of steps
+    ``H / h`` pixels wide (:func:`smooth_labels_at`).
+    """
+    if mode == "smooth":
+        return smooth_labels_at(labels, size)
+    if mode != "nearest":
+        raise ValueError(f"label upsampling must be one of {LABEL_UPSAMPLING}, got {mode!r}")
     x = labels.unsqueeze(1).float()
     if tuple(x.shape[-2:]) != tuple(size):
         x = F.interpolate(x, size=tuple(size), mode="nearest")
     return x.squeeze(1).long()
+
+
+def _linear_taps(n_in: int, n_out: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Bilinear (``align_corners=False``) taps along one axis, exactly: source indices
+    ``i0, i1`` and integer weights ``l0, l1`` summing to ``2 n_out``. PyTorch's rule: the
+    source coordinate ``(i + 0.5) n_in / n_out - 0.5``, clamped at 0, here as the integer
+    ``(2 i + 1) n_in - n_out`` over ``2 n_out``."""
+    num = ((2 * torch.arange(n_out, dtype=torch.long) + 1) * n_in - n_out).clamp_min(0)
+    den = 2 * n_out
+    i0 = (num // den).clamp_max(n_in - 1)
+    i1 = torch.where(i0 < n_in - 1, i0 + 1, i0)
+    l1 = torch.where(i0 < n_in - 1, num % den, 0)  # the last row or column: all weight on i0
+    return i0.to(device), i1.to(device), (den - l1).to(device), l1.to(device)
+
+
+def smooth_labels_at(labels: Tensor, size: tuple[int, int]) -> Tensor:
+    """``(B, h, w)`` integer labels -> ``(B, H, W)``: argmax over the regions' bilinearly
+    upsampled one-hot maps (ties: the smaller id), without forming those maps.
+
+    Only the four source pixels around an output pixel carry weight, so a pixel whose four
+    agree takes their label; the others (near region boundaries) compare the summed
+    weights of their at most four candidate labels. The weights are exact integers (the
+    bilinear weights times ``4 H W``): an exact tie, e.g. two labels with half the weight
+    each, goes to the smaller id (float one-hot maps would break it by rounding). Cost:
+    one gather over the output plus work on the boundary pixels, whatever the number of
+    regions (224 -> 600 x 400 px: ~2 ms on one core).
+    """
+    lab = labels.long()
+    b, h, w = lab.shape
+    if (h, w) == tuple(size):
+        return lab.clone()
+    H, W = int(size[0]), int(size[1])
+    dev = lab.device
+    ty, tx = _linear_taps(h, H, dev), _linear_taps(w, W, dev)
+    right = torch.cat([lab[:, :, 1:], lab[:, :, -1:]], 2)  # the neighbour a cell reads (clamped)
+    below = torch.cat([lab[:, 1:], lab[:, -1:]], 1)
+    diag = torch.cat([right[:, 1:], right[:, -1:]], 1)
+    mixed = (lab != right) | (lab != below) | (lab != diag)  # (B, h, w): cells with a boundary
+    code = torch.where(mixed, -1, lab)  # a cell's label where its four agree, else -1
+    if dev.type == "cpu" and _NUMPY_ON_CPU:  # numpy: 2-5x faster gathers at 0.2-12 megapixels
+        return torch.from_numpy(_smooth_fix(
+            lab.numpy(), np.take(np.take(code.numpy(), ty[0].numpy(), 1), tx[0].numpy(), 2),
+            [t.numpy() for t in ty], [t.numpy() for t in tx], np))
+    out = code.index_select(1, ty[0]).index_select(2, tx[0])
+    return _smooth_fix(lab, out, ty, tx, torch)
+
+
+_NUMPY_ON_CPU = True  # False: the torch path of other devices, on the CPU (tests)
+
+
+def _smooth_fix(lab, out, ty, tx, xp):
+    """Fill the ``-1`` pixels of ``out`` (``(B, H, W)``; numpy or torch, ``xp``) with the
+    label of the largest interpolated one-hot value among their four source pixels."""
+    b, h, w = lab.shape
+    H, W = out.shape[1:]
+    flat = out.reshape(-1)
+    neg = flat < 0
+    pos = neg.nonzero()[0] if xp is np else neg.nonzero(as_tuple=True)[0]
+    if not len(pos):
+        return out
+    bi, rem = pos // (H * W), pos % (H * W)
+    yi, xi = rem // W, rem % W
+    y0, y1, wy0, wy1 = (t[yi] for t in ty)
+    x0, x1, wx0, wx1 = (t[xi] for t in tx)
+    src = lab.reshape(-1)
+    base = bi * (h * w)
+    a, bb, c, d = (src[base + r * w + q] for r, q in ((y0, x0), (y0, x1), (y1, x0), (y1, x1)))
+    wa, wb, wc, wd = wy0 * wx0, wy0 * wx1, wy1 * wx0, wy1 * wx1  # integers, sum 4 H W
+    ab, ac, ad, bc, bd, cd = a == bb, a == c, a == d, bb == c, bb == d, c == d
+    # one integer key per candidate: its score, then the smaller id (m > every id)
+    m = int(src.max()) + 1
+    best = None
+    for k, score in ((a, wa + wb * ab + wc * ac + wd * ad), (bb, wb + wa * ab + wc * bc + wd * bd),
+                     (c, wc + wa * ac + wb * bc + wd * cd), (d, wd + wa * ad + wb * bd + wc * cd)):
+        key = score * m + (m - 1 - k)
+        best = key if best is None else xp.maximum(best, key)
+    flat[pos] = m - 1 - best % m
+    return out
 
 
 def to_masks(out: MethodOutput, size: tuple[int, int]) -> tuple[Tensor, Tensor]:
@@ -95,13 +188,15 @@ def to_masks(out: MethodOutput, size: tuple[int, int]) -> tuple[Tensor, Tensor]:
     return r, mask
 
 
-def to_masks_and_labels(out: MethodOutput, size: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor | None]:
-    """:func:`to_masks` and the image-sized labels it read (nearest, :func:`labels_at`;
-    ``None`` for heatmap methods)."""
+def to_masks_and_labels(out: MethodOutput, size: tuple[int, int], labels: str = "nearest"
+                        ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """:func:`to_masks` and the image-sized labels it read (:func:`labels_at` with mode
+    ``labels``: ``nearest``, the evaluation's rule, or ``smooth``; ``None`` for heatmap
+    methods)."""
     r = heatmap_at(out.heatmap, size)
     if out.labels is None:
         return r, threshold_mean(r), None
-    lab = labels_at(out.labels, size)
+    lab = labels_at(out.labels, size, labels)
     fg = out.foreground.to(lab.device)
     k = fg.shape[1]
     if int(lab.max()) >= k or int(lab.min()) < 0:

@@ -432,3 +432,74 @@ def test_gallery_legend_and_region_keys(tmp_path):
     binary = write_image(tmp_path, "b", _image(20, 30), _binary_seg(20, 30), FAST, **_fields("b"))
     text = render_gallery(tmp_path, [binary])
     assert 'class="key"' not in text and "outlined in green" in text
+
+
+# ----------------------------------------------------------------------------- label upsampling
+
+
+def _onehot_bilinear(lab: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """``(B, K, H, W)`` float64: the regions' one-hot maps upsampled bilinearly."""
+    k = int(lab.max()) + 1
+    oh = torch.nn.functional.one_hot(lab, k).permute(0, 3, 1, 2).double()
+    return torch.nn.functional.interpolate(oh, size=size, mode="bilinear", align_corners=False)
+
+
+@pytest.mark.parametrize("numpy_path", [True, False])  # False: the path of CUDA tensors
+def test_smooth_labels_are_the_argmax_of_upsampled_one_hot_maps(monkeypatch, numpy_path):
+    from segment import masks
+
+    monkeypatch.setattr(masks, "_NUMPY_ON_CPU", numpy_path)
+    g = torch.Generator().manual_seed(0)
+    checked = 0
+    for trial in range(120):
+        h, w = torch.randint(2, 20, (2,), generator=g).tolist()
+        size = tuple(torch.randint(2, 70, (2,), generator=g).tolist())  # up and down
+        k = int(torch.randint(2, 6, (1,), generator=g))
+        lab = torch.randint(0, k, (2, h, w), generator=g)
+        if trial % 2:  # blocks: long boundaries, as regions have
+            lab = torch.randint(0, k, (2, h // 3 + 1, w // 3 + 1), generator=g)
+            lab = lab.repeat_interleave(3, 1).repeat_interleave(3, 2)[:, :h, :w]
+        got = masks.smooth_labels_at(lab, size)
+        assert got.dtype == torch.long and got.shape == (2, *size)
+        maps = _onehot_bilinear(lab, size)
+        top = maps.topk(2, 1).values
+        clear = top[:, 0] - top[:, 1] > 1e-9  # exact ties: tested below
+        torch.testing.assert_close(got[clear], maps.argmax(1)[clear], rtol=0, atol=0)
+        checked += int(clear.sum())
+    assert checked > 100_000
+    # an exact tie (half the weight each) goes to the smaller id, whichever side it is on
+    for row, want in (([0, 1], [0, 0, 1]), ([1, 0], [1, 0, 0]), ([2, 5], [2, 2, 5])):
+        got = masks.smooth_labels_at(torch.tensor([[row]]), (1, 3))
+        assert got.tolist() == [[want]]
+    same = torch.tensor([[[4, 4], [4, 4]]])
+    assert bool((masks.smooth_labels_at(same, (9, 7)) == 4).all())  # no boundary: no fix-up
+    with pytest.raises(ValueError, match="label upsampling must be one of"):
+        masks.labels_at(same, (9, 7), "cubic")
+
+
+def _smooth(lab: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
+    from segment.masks import smooth_labels_at
+
+    return smooth_labels_at(lab, size)[0].numpy()
+
+
+def _nearest(lab: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
+    from segment.masks import labels_at
+
+    return labels_at(lab, size)[0].numpy()
+
+
+def test_postprocess_upsamples_labels_smoothly_and_the_mask_follows():
+    """A diagonal boundary on an 8 x 8 grid at 64 x 64: nearest neighbour steps 8 px at a
+    time; the written labels follow the bilinear interpolation (every row's boundary moves
+    by at most 2 px from the row above), and the mask is their foreground union."""
+    lab = (torch.arange(8)[None, :] > torch.arange(8)[:, None]).long()[None]  # 1 above the diagonal
+    out = MethodOutput(heatmap=lab.float(), labels=lab, foreground=torch.tensor([[False, True]]))
+    seg = postprocess(out, 0, (64, 64))
+    np.testing.assert_array_equal(seg.labels, _smooth(lab, (64, 64)))
+    np.testing.assert_array_equal(seg.mask, seg.labels == 1)
+    first = [int(np.argmax(r == 1)) for r in seg.labels[:56]]  # the first column of region 1
+    assert max(abs(a - b) for a, b in zip(first, first[1:])) <= 2
+    steps = [int(np.argmax(r == 1)) for r in _nearest(lab, (64, 64))[:56]]
+    assert max(abs(a - b) for a, b in zip(steps, steps[1:])) == 8  # what it replaces
+
