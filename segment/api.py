@@ -37,7 +37,7 @@ from torch import Tensor
 
 from segment.front import config_names, suggest
 from segment.io import ImageReadError, read_image, to_rgb
-from segment.masks import MethodOutput, concat_outputs
+from segment.masks import LABEL_UPSAMPLING, MethodOutput, concat_outputs
 from segment.outputs import RenderOptions, Segmentation, overlay, postprocess
 from segment.record import AttentionRecord
 from segment.utils import unwrap_instantiation
@@ -47,7 +47,7 @@ __all__ = ["Batch", "ImageReadError", "Result", "Segmenter", "compose_config", "
 
 ImageLike = Union[Image.Image, np.ndarray, Tensor, str, os.PathLike]
 
-API_KEYS = ("batch_size", "max_pixels")
+API_KEYS = ("batch_size", "max_pixels", "label_upsampling")
 """Run settings of ``configs/segment.yaml`` that the API honours (the others, such as
 ``output`` or ``render.*``, are about files and belong to the command)."""
 
@@ -286,13 +286,20 @@ class Segmenter:
         method: a method of :mod:`segment.methods` (anything with ``capture`` and ``__call__``).
         batch_size: images per forward pass when called on a list.
         max_pixels: refuse image files with more pixels (``None`` = Pillow's limit).
+        label_upsampling: how region labels (and the mask they bound) reach an image's own
+            size: ``smooth`` (:func:`segment.masks.smooth_labels_at`) or ``nearest``
+            (``segment-eval``'s rule).
         config: the composed config it was built from, when built from one.
     """
 
     def __init__(self, backbone: Any, method: Any, *, batch_size: int = 8,
-                 max_pixels: int | None = None, config: DictConfig | None = None) -> None:
+                 max_pixels: int | None = None, label_upsampling: str = "smooth",
+                 config: DictConfig | None = None) -> None:
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if label_upsampling not in LABEL_UPSAMPLING:
+            raise ValueError(f"label_upsampling must be one of {LABEL_UPSAMPLING}, got {label_upsampling!r}")
+        self.label_upsampling = str(label_upsampling)
         self.backbone = backbone
         self.method = method
         self.batch_size = int(batch_size)
@@ -313,7 +320,8 @@ class Segmenter:
         if method is None:
             method = instantiate(cfg.method)
         return cls(backbone, method, batch_size=int(cfg.get("batch_size") or 8),
-                   max_pixels=cfg.get("max_pixels"), config=cfg)
+                   max_pixels=cfg.get("max_pixels"),
+                   label_upsampling=cfg.get("label_upsampling") or "smooth", config=cfg)
 
     @property
     def name(self) -> str:
@@ -374,11 +382,11 @@ class Segmenter:
             first = _one_thread(self.method, record.images(0, half), threads)
             return concat_outputs([first, second.result()])
 
-    @staticmethod
-    def postprocess(out: MethodOutput, index: int, size: tuple[int, int]) -> Segmentation:
+    def postprocess(self, out: MethodOutput, index: int, size: tuple[int, int]) -> Segmentation:
         """Image ``index`` of a batch at its size ``(H, W)``: protocol §3 (bilinear
-        upsampling, min-max, threshold at the mean; union of foreground regions)."""
-        return postprocess(out, index, size)
+        upsampling, min-max, threshold at the mean; union of foreground regions), the
+        labels upsampled by ``label_upsampling``."""
+        return postprocess(out, index, size, labels=self.label_upsampling)
 
     # the API
 

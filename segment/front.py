@@ -353,7 +353,8 @@ _HELP = {
             ("model.checkpoint=PATH", "offline machines: local weights (.safetensors / torch state dict)"),
         ],
         settings="device=auto|cpu|cuda  batch_size=8  overwrite=false  num_workers  max_pixels  min_size\n"
-                 "  progress=true  render.{colormap,overlay_alpha,jpeg_quality,png_compression,thumb_size,fsync}",
+                 "  progress=true  label_upsampling=smooth|nearest\n"
+                 "  render.{colormap,overlay_alpha,jpeg_quality,png_compression,thumb_size,fsync}",
     ),
     "segment-eval": dict(
         what="score segmentation methods on a benchmark (pixAcc, mIoU, mIoU_CA, mAP) from one "

@@ -69,7 +69,7 @@ from segment.io import (
     find_images,
     read_image,
 )
-from segment.masks import MethodOutput
+from segment.masks import LABEL_UPSAMPLING, MethodOutput
 from segment.outputs import (
     ImageRecord,
     RenderOptions,
@@ -152,7 +152,8 @@ class _Timings:
 
 def config_fingerprint(cfg: DictConfig) -> str:
     """Hash of what decides an image's outputs: the model and method configs (``device``
-    left out) and the rendering options. Records with another fingerprint are redone."""
+    left out), the rendering options and ``label_upsampling``. Records with another
+    fingerprint are redone."""
     def clean(node: Any) -> Any:
         if node is None:
             return None
@@ -165,6 +166,7 @@ def config_fingerprint(cfg: DictConfig) -> str:
         "model": clean(cfg.get("model")),
         "method": clean(cfg.get("method")),
         "render": {k: v for k, v in (clean(cfg.get("render")) or {}).items() if k != "fsync"},
+        "label_upsampling": cfg.get("label_upsampling") or "smooth",
     }
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -232,6 +234,9 @@ class SegmentRun:
         self.num_workers = int(nw) if nw is not None else 0  # 0 = chosen for the device in _build
         if self.num_workers < 0:
             raise ValueError(f"num_workers must be >= 0 (0 or null = automatic), got {nw}")
+        up = cfg.get("label_upsampling") or "smooth"
+        if up not in LABEL_UPSAMPLING:
+            raise ValueError(f"label_upsampling must be one of {LABEL_UPSAMPLING}, got {up!r}")
         self.max_pixels = cfg.get("max_pixels")
         self.min_size = cfg.get("min_size")
         self.overwrite = bool(cfg.get("overwrite", False))

@@ -76,6 +76,36 @@ def test_load_builds_what_the_overrides_say():
         segment.load("vit_tiny_random", device="cpu", image_size=50)
 
 
+
+def test_label_upsampling_setting(tmp_path):
+    """``label_upsampling`` decides how the regions reach the image's size: ``smooth`` (the
+    default) and ``nearest`` are the two rules of :func:`segment.masks.labels_at` on the
+    method's own output, the mask follows the labels, a bad value is refused, and the
+    command's fingerprint changes with it (a rerun redoes the images)."""
+    from segment.masks import labels_at
+    from segment.pipeline import config_fingerprint
+
+    im = _img(150, 210, 3)  # 4 x 4 tokens of a 56 px input: ~3x larger
+    smooth = segment.load("vit_tiny_random", device="cpu", image_size=56)
+    assert smooth.label_upsampling == "smooth"
+    assert segment.load("vit_tiny_random", device="cpu", image_size=56,
+                        label_upsampling="nearest").label_upsampling == "nearest"
+    near = Segmenter(smooth.backbone, smooth.method, label_upsampling="nearest")  # same weights
+    a, b = smooth(im), near(im)
+    out = smooth.method(a.record)
+    np.testing.assert_array_equal(a.labels, labels_at(out.labels, (150, 210), "smooth")[0].numpy())
+    np.testing.assert_array_equal(b.labels, labels_at(out.labels, (150, 210), "nearest")[0].numpy())
+    assert (a.labels != b.labels).any() and a.labels.max() > 0
+    for r in (a, b):
+        np.testing.assert_array_equal(r.mask, r.foreground[r.labels])
+    np.testing.assert_array_equal(a.heatmap, b.heatmap)
+    with pytest.raises(ValueError, match="label_upsampling must be one of"):
+        segment.load("vit_tiny_random", device="cpu", image_size=56, label_upsampling="cubic")
+    base = compose_config("vit_tiny_random")
+    other = compose_config("vit_tiny_random", label_upsampling="nearest")
+    assert config_fingerprint(base) != config_fingerprint(other)
+
+
 # ----------------------------------------------------------------------------- inputs
 
 
@@ -161,13 +191,13 @@ def test_pipeline_computes_through_the_segmenter(tmp_path, monkeypatch):
         calls["apply"] += 1
         return app(self, record)
 
-    def postprocess(out, index, size):
+    def postprocess(self, out, index, size):
         calls["post"] += 1
-        return post(out, index, size)
+        return post(self, out, index, size)
 
     monkeypatch.setattr(Segmenter, "extract", extract)
     monkeypatch.setattr(Segmenter, "apply", apply)
-    monkeypatch.setattr(Segmenter, "postprocess", staticmethod(postprocess))
+    monkeypatch.setattr(Segmenter, "postprocess", postprocess)
     src = tmp_path / "in"
     src.mkdir()
     for i in range(5):
