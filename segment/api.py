@@ -386,7 +386,7 @@ class Segmenter:
         """Image ``index`` of a batch at its size ``(H, W)``: protocol §3 (bilinear
         upsampling, min-max, threshold at the mean; union of foreground regions), the
         labels upsampled by ``label_upsampling``."""
-        return postprocess(out, index, size, labels=self.label_upsampling)
+        return postprocess(out, index, size, label_upsampling=self.label_upsampling)
 
     # the API
 

@@ -123,7 +123,7 @@ def smooth_labels_at(labels: Tensor, size: tuple[int, int]) -> Tensor:
     bilinear weights times ``4 H W``): an exact tie, e.g. two labels with half the weight
     each, goes to the smaller id (float one-hot maps would break it by rounding). Cost:
     one gather over the output plus work on the boundary pixels, whatever the number of
-    regions (224 -> 600 x 400 px: ~2 ms on one core).
+    regions (224 -> 600 x 400 px: ~3 ms on one core, nearest neighbour ~0.4 ms).
     """
     lab = labels.long()
     b, h, w = lab.shape

@@ -123,13 +123,13 @@ class Segmentation:
         return self.mask.shape[0], self.mask.shape[1]
 
 
-def postprocess(out: MethodOutput, index: int, size: tuple[int, int], labels: str = "smooth"
-                ) -> Segmentation:
+def postprocess(out: MethodOutput, index: int, size: tuple[int, int],
+                label_upsampling: str = "smooth") -> Segmentation:
     """Image ``index`` of a batch output at ``size = (H, W)`` with the protocol's rule.
 
     Uses :func:`segment.masks.to_masks_and_labels`: bilinear upsampling, min-max, threshold
     at the mean (the union of foreground regions for region methods). The labels are
-    upsampled by ``labels``: ``smooth`` (:func:`segment.masks.smooth_labels_at`: the argmax
+    upsampled by ``label_upsampling``: ``smooth`` (:func:`segment.masks.smooth_labels_at`: the argmax
     of the regions' bilinearly upsampled one-hot maps), so region boundaries and the mask
     they bound do not step every ``H / h`` pixels on photos larger than the backbone
     input, or ``nearest`` (``segment-eval``'s rule at the label resolution).
@@ -139,7 +139,7 @@ def postprocess(out: MethodOutput, index: int, size: tuple[int, int], labels: st
         labels=None if out.labels is None else out.labels[index : index + 1].cpu(),
         foreground=None if out.foreground is None else out.foreground[index : index + 1].cpu(),
     )
-    r, mask, lab = to_masks_and_labels(one, size, labels=labels)
+    r, mask, lab = to_masks_and_labels(one, size, labels=label_upsampling)
     labels = fg = None
     if lab is not None:
         labels = lab[0].int().numpy()
