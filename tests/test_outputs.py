@@ -503,3 +503,28 @@ def test_postprocess_upsamples_labels_smoothly_and_the_mask_follows():
     steps = [int(np.argmax(r == 1)) for r in _nearest(lab, (64, 64))[:56]]
     assert max(abs(a - b) for a, b in zip(steps, steps[1:])) == 8  # what it replaces
 
+
+
+def test_postprocess_is_the_same_at_any_torch_thread_count():
+    """The command's writer threads post-process on one torch thread, the API on the
+    caller's pool: the same files either way (heatmap, mask, smooth and nearest labels)."""
+    g = torch.Generator().manual_seed(2)
+    heat = torch.rand(1, 32, 32, generator=g)
+    lab = torch.randint(0, 6, (1, 8, 8), generator=g).repeat_interleave(4, 1).repeat_interleave(4, 2)
+    outs = [MethodOutput(heatmap=heat), MethodOutput(heatmap=heat, labels=lab,
+                                                      foreground=torch.tensor([[1, 0, 1, 0, 0, 1]]).bool())]
+    before = torch.get_num_threads()
+    try:
+        for out in outs:
+            for up in ("smooth", "nearest"):
+                got = []
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    got.append(postprocess(out, 0, (701, 933), up))
+                a, b = got
+                np.testing.assert_array_equal(a.heatmap, b.heatmap)
+                np.testing.assert_array_equal(a.mask, b.mask)
+                if out.labels is not None:
+                    np.testing.assert_array_equal(a.labels, b.labels)
+    finally:
+        torch.set_num_threads(before)
