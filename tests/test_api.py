@@ -76,8 +76,7 @@ def test_load_builds_what_the_overrides_say():
         segment.load("vit_tiny_random", device="cpu", image_size=50)
 
 
-
-def test_label_upsampling_setting(tmp_path):
+def test_label_upsampling_setting():
     """``label_upsampling`` decides how the regions reach the image's size: ``smooth`` (the
     default) and ``nearest`` are the two rules of :func:`segment.masks.labels_at` on the
     method's own output, the mask follows the labels, a bad value is refused, and the

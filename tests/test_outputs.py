@@ -504,7 +504,6 @@ def test_postprocess_upsamples_labels_smoothly_and_the_mask_follows():
     assert max(abs(a - b) for a, b in zip(steps, steps[1:])) == 8  # what it replaces
 
 
-
 def test_postprocess_is_the_same_at_any_torch_thread_count():
     """The command's writer threads post-process on one torch thread, the API on the
     caller's pool: the same files either way (heatmap, mask, smooth and nearest labels)."""
