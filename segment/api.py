@@ -37,7 +37,7 @@ from torch import Tensor
 
 from segment.front import config_names, suggest
 from segment.io import ImageReadError, read_image, to_rgb
-from segment.masks import LABEL_UPSAMPLING, MethodOutput, concat_outputs
+from segment.masks import MethodOutput, concat_outputs, label_upsampling_setting
 from segment.outputs import RenderOptions, Segmentation, overlay, postprocess
 from segment.record import AttentionRecord
 from segment.utils import unwrap_instantiation
@@ -297,9 +297,7 @@ class Segmenter:
                  config: DictConfig | None = None) -> None:
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if label_upsampling not in LABEL_UPSAMPLING:
-            raise ValueError(f"label_upsampling must be one of {LABEL_UPSAMPLING}, got {label_upsampling!r}")
-        self.label_upsampling = str(label_upsampling)
+        self.label_upsampling = label_upsampling_setting(label_upsampling)
         self.backbone = backbone
         self.method = method
         self.batch_size = int(batch_size)
@@ -321,7 +319,8 @@ class Segmenter:
             method = instantiate(cfg.method)
         return cls(backbone, method, batch_size=int(cfg.get("batch_size") or 8),
                    max_pixels=cfg.get("max_pixels"),
-                   label_upsampling=cfg.get("label_upsampling") or "smooth", config=cfg)
+                   label_upsampling=label_upsampling_setting(cfg.get("label_upsampling")),
+                   config=cfg)
 
     @property
     def name(self) -> str:

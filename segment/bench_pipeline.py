@@ -111,6 +111,7 @@ def _stage_costs(backbone: Any, method: Any, files: list, batches: list, n: int,
     the ratio the pipeline would reach with no overlap at all (a lower bound).
     """
     from segment.io import read_image
+    from segment.masks import label_upsampling_setting
     from segment.outputs import RenderOptions, postprocess, single_threaded_rendering, write_image
     from segment.pipeline import config_fingerprint
 
@@ -140,7 +141,7 @@ def _stage_costs(backbone: Any, method: Any, files: list, batches: list, n: int,
     with single_threaded_rendering():  # as the pipeline renders
         for k, (f, im) in enumerate(zip(files, loaded)):  # heatmaps of other images: same cost
             o, i = outs[k % len(outs)]
-            seg = postprocess(o, i, im.size, cfg.get("label_upsampling") or "smooth")
+            seg = postprocess(o, i, im.size, label_upsampling_setting(cfg.get("label_upsampling")))
             write_image(out, f.name, np.asarray(im.image), seg, opts, source=f.rel,
                         source_path=str(f.path), source_bytes=0, source_mtime_ns=0, fingerprint=fp)
     write = time.process_time() - c0

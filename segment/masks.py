@@ -81,6 +81,15 @@ def threshold_mean(r: Tensor) -> Tensor:
 LABEL_UPSAMPLING = ("nearest", "smooth")
 
 
+def label_upsampling_setting(value: str | None) -> str:
+    """The run setting ``label_upsampling`` (``configs/segment.yaml``, :class:`segment.api.
+    Segmenter`): ``smooth`` when unset, else one of :data:`LABEL_UPSAMPLING`."""
+    mode = "smooth" if value is None else value
+    if mode not in LABEL_UPSAMPLING:
+        raise ValueError(f"label_upsampling must be one of {LABEL_UPSAMPLING}, got {value!r}")
+    return str(mode)
+
+
 def labels_at(labels: Tensor, size: tuple[int, int], mode: str = "nearest") -> Tensor:
     """Resize ``(B, h, w)`` integer labels to ``size``.
 
@@ -188,15 +197,15 @@ def to_masks(out: MethodOutput, size: tuple[int, int]) -> tuple[Tensor, Tensor]:
     return r, mask
 
 
-def to_masks_and_labels(out: MethodOutput, size: tuple[int, int], labels: str = "nearest"
-                        ) -> tuple[Tensor, Tensor, Tensor | None]:
+def to_masks_and_labels(out: MethodOutput, size: tuple[int, int],
+                        label_upsampling: str = "nearest") -> tuple[Tensor, Tensor, Tensor | None]:
     """:func:`to_masks` and the image-sized labels it read (:func:`labels_at` with mode
-    ``labels``: ``nearest``, the evaluation's rule, or ``smooth``; ``None`` for heatmap
-    methods)."""
+    ``label_upsampling``: ``nearest``, the evaluation's rule, or ``smooth``; ``None`` for
+    heatmap methods)."""
     r = heatmap_at(out.heatmap, size)
     if out.labels is None:
         return r, threshold_mean(r), None
-    lab = labels_at(out.labels, size, labels)
+    lab = labels_at(out.labels, size, label_upsampling)
     fg = out.foreground.to(lab.device)
     k = fg.shape[1]
     if int(lab.max()) >= k or int(lab.min()) < 0:

@@ -139,7 +139,7 @@ def postprocess(out: MethodOutput, index: int, size: tuple[int, int],
         labels=None if out.labels is None else out.labels[index : index + 1].cpu(),
         foreground=None if out.foreground is None else out.foreground[index : index + 1].cpu(),
     )
-    r, mask, lab = to_masks_and_labels(one, size, labels=label_upsampling)
+    r, mask, lab = to_masks_and_labels(one, size, label_upsampling)
     labels = fg = None
     if lab is not None:
         labels = lab[0].int().numpy()

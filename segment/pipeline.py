@@ -69,7 +69,7 @@ from segment.io import (
     find_images,
     read_image,
 )
-from segment.masks import LABEL_UPSAMPLING, MethodOutput
+from segment.masks import MethodOutput, label_upsampling_setting
 from segment.outputs import (
     ImageRecord,
     RenderOptions,
@@ -166,7 +166,7 @@ def config_fingerprint(cfg: DictConfig) -> str:
         "model": clean(cfg.get("model")),
         "method": clean(cfg.get("method")),
         "render": {k: v for k, v in (clean(cfg.get("render")) or {}).items() if k != "fsync"},
-        "label_upsampling": cfg.get("label_upsampling") or "smooth",
+        "label_upsampling": label_upsampling_setting(cfg.get("label_upsampling")),
     }
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -234,9 +234,7 @@ class SegmentRun:
         self.num_workers = int(nw) if nw is not None else 0  # 0 = chosen for the device in _build
         if self.num_workers < 0:
             raise ValueError(f"num_workers must be >= 0 (0 or null = automatic), got {nw}")
-        up = cfg.get("label_upsampling") or "smooth"
-        if up not in LABEL_UPSAMPLING:
-            raise ValueError(f"label_upsampling must be one of {LABEL_UPSAMPLING}, got {up!r}")
+        label_upsampling_setting(cfg.get("label_upsampling"))  # refused before the model is built
         self.max_pixels = cfg.get("max_pixels")
         self.min_size = cfg.get("min_size")
         self.overwrite = bool(cfg.get("overwrite", False))
