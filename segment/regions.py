@@ -522,31 +522,46 @@ def _regions_cpu(lab: np.ndarray, min_area: int) -> np.ndarray:
     scikit-image numbers the components ``1 .. m`` in the raster order of their first pixel,
     so a stable sort by label value gives :func:`_number_components`' order. Specks are
     absorbed as :func:`_absorb_small` does: the kept components, ranked by (area, id), grow
-    into them (:func:`_grow_into_cpu`); the ids left are renumbered ``0 .. K - 1`` in order.
+    into them (:func:`_grow_holes`); the ids left are renumbered ``0 .. K - 1`` in order.
+    Past the scikit-image pass everything is a table per component, gathered by the pixels
+    in contiguous passes (label values, areas, the kept ids, the result); only the hole
+    pixels are visited one by one.
     """
     from skimage.measure import label as components
 
+    h, w = lab.shape
     cc, m = components(lab, background=int(lab.min()) - 1, connectivity=2, return_num=True)
     flat = cc.ravel()
-    value = np.empty(m + 1, dtype=np.int64)
+    value = np.empty(m + 1, dtype=lab.dtype)
     value[flat] = lab.ravel()
-    rank = np.empty(m, dtype=np.int64)
-    rank[np.argsort(value[1:], kind="stable")] = np.arange(m)
-    comp = rank[flat - 1]  # numbered by value, then first pixel
+    rank = np.zeros(m + 1, dtype=np.int64)  # scikit-image id -> id by (value, first pixel)
+    rank[1 + np.argsort(value[1:], kind="stable")] = np.arange(m)
     if min_area <= 0:
-        return comp.reshape(lab.shape)
-    area = np.bincount(comp, minlength=m)
+        return rank[cc]
+    area = np.empty(m, dtype=np.int64)
+    area[rank[1:]] = np.bincount(flat, minlength=m + 1)[1:]
     small = area < min_area
     if not small.any() or small.all():  # nothing to absorb / only specks: all kept
-        return comp.reshape(lab.shape)
+        return rank[cc]
     order = np.lexsort((np.arange(m), area))  # by area, then id: a tie joins the largest
     by_area = np.empty(m, dtype=np.int64)
     by_area[order] = np.arange(m)
-    cur = np.where(small[comp], -1, by_area[comp]).reshape(1, *lab.shape)
-    grown = order[_grow_into_cpu(cur)[0]]  # back to the component ids
+    # the growth runs on the area ranks + 1 of the kept pixels (0 in holes), with one more
+    # slot, always 0, that stands for every neighbour outside the image
+    grow = np.zeros(m + 1, dtype=np.int64)
+    grow[1:] = np.where(small, 0, by_area + 1)[rank[1:]]
+    cur = np.zeros(h * w + 1, dtype=np.int64)
+    np.take(grow, flat, out=cur[:-1])
+    holes = np.flatnonzero(cur[:-1] == 0)
+    y, x = np.divmod(holes[:, None], w)
+    y, x = y + _DY, x + _DX  # (holes, 8) the neighbours
+    inside = (y >= 0) & (y < h) & (x >= 0) & (x < w)
+    _grow_holes(cur, holes, np.where(inside, y * w + x, h * w))
     kept = np.zeros(m, dtype=np.int64)
     kept[~small] = 1
-    return (np.cumsum(kept) - 1)[grown]
+    final = np.zeros(m + 1, dtype=np.int64)  # area rank + 1 -> kept id, renumbered in order
+    final[1:] = (np.cumsum(kept) - 1)[order]
+    return final[cur[:-1]].reshape(h, w)
 
 
 def _components_cpu(labels: Tensor) -> Tensor:
@@ -633,29 +648,41 @@ def _absorb_small(labels: Tensor, min_area: int) -> Tensor:
     return torch.gather(order, 1, cur.flatten(1).clamp_min(0)).view_as(cur)  # back to the ids
 
 
-def _grow_into_cpu(cur: np.ndarray) -> np.ndarray:
-    """:func:`_absorb_small`'s growth in numpy: the same labels, visiting only the holes.
+_DY = np.array([-1, -1, -1, 0, 0, 1, 1, 1])  # the 8 neighbours of a pixel
+_DX = np.array([-1, 0, 1, -1, 1, -1, 0, 1])
 
-    Every step, each unfilled pixel takes the largest label id among its 8 neighbours (as
-    the max-pool does), all at once; only the hole pixels are gathered, so a step costs
-    ``O(hole pixels)`` instead of ``O(image)``.
-    """
+
+def _grow_into_cpu(cur: np.ndarray) -> np.ndarray:
+    """:func:`_absorb_small`'s growth in numpy: the same labels, visiting only the holes
+    (``cur < 0``) of ``(B, H, W)`` ids (:func:`_grow_holes`)."""
     b, h, w = cur.shape
     grid = np.zeros((b, h + 2, w + 2), dtype=np.int64)  # ids + 1; 0 = none (border, holes)
     grid[:, 1:-1, 1:-1] = cur + 1
     flat = grid.reshape(-1)
     row = w + 2
-    around = np.array([-row - 1, -row, -row + 1, -1, 1, row - 1, row, row + 1])
     bi, yi, xi = np.nonzero(cur < 0)  # the holes, as indices into the padded grid
     todo = np.ravel_multi_index((bi, yi + 1, xi + 1), grid.shape)
-    while todo.size:
-        grown = flat[todo[:, None] + around].max(1)
+    step = np.array([-row - 1, -row, -row + 1, -1, 1, row - 1, row, row + 1])
+    _grow_holes(flat, todo, todo[:, None] + step)
+    return grid[:, 1:-1, 1:-1] - 1
+
+
+def _grow_holes(flat: np.ndarray, holes: np.ndarray, around: np.ndarray) -> None:
+    """Fill the ``holes`` of flat ids + 1 (0 = none) in place, ``around`` ``(len(holes),
+    8)`` the indices of each hole's 8 neighbours (an index that holds 0 for a neighbour
+    outside the image).
+
+    Every step, each unfilled pixel takes the largest id among its 8 neighbours (as
+    :func:`_absorb_small`'s max-pool does), all at once; only the hole pixels are
+    gathered, so a step costs ``O(hole pixels)`` instead of ``O(image)``.
+    """
+    while holes.size:
+        grown = flat[around].max(1)
         fill = grown > 0
         if not fill.any():  # a hole with no labelled rim (never, with kept regions)
             break
-        flat[todo[fill]] = grown[fill]
-        todo = todo[~fill]
-    return grid[:, 1:-1, 1:-1] - 1
+        flat[holes[fill]] = grown[fill]
+        holes, around = holes[~fill], around[~fill]
 
 
 def region_scores(labels: Tensor, score: Tensor, num: int | None = None) -> Tensor:

@@ -740,6 +740,80 @@ def test_connected_regions_on_the_cpu_equal_the_batched_torch_path(min_area):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("min_area", [2, 9, 60])
+def test_connected_regions_absorb_specks_on_borders_and_corners_as_the_torch_path(min_area):
+    # salt-and-pepper maps: many specks, in the corners and along every border (neighbours
+    # outside the image), single-pixel holes and wide ones, next to kept regions of equal
+    # area (the tie goes to the larger id)
+    g = torch.Generator().manual_seed(100 + min_area)
+    for _ in range(20):
+        h, w = (int(torch.randint(2, 30, (1,), generator=g)) for _ in range(2))
+        base = torch.randint(0, 3, (2, (h + 4) // 5, (w + 4) // 5), generator=g)
+        lab = torch.nn.functional.interpolate(base[:, None].float(), size=(h, w))[:, 0].long()
+        noise = torch.rand(2, h, w, generator=g) < 0.3
+        lab = torch.where(noise, torch.randint(3, 9, (2, h, w), generator=g), lab)
+        lab[:, 0, 0], lab[:, -1, -1] = 11, 12  # one-pixel corner specks
+        got = rg.connected_regions(lab, min_area=min_area)
+        assert torch.equal(got, rg._connected_regions_torch(lab, min_area=min_area))
+
+
+def test_fine_regions_use_every_proposal_of_each_image_of_a_padded_batch():
+    """_finer_regions on planted seed distributions: image 0 has three blocks (three
+    proposals), image 1 none (one proposal; two zero slots pad it in the batch). Each image
+    gets its own blocks, cut along its mask."""
+    lab = planted_labels(8, 8)
+    chains = torch.stack([planted_chain(lab), planted_chain(torch.zeros_like(lab))]).float()
+    dist = chains  # every token a seed: its row
+    kl = rg.symmetric_kl(dist, dist)
+    method = RegionGrow(tau=0.5, label_tau=0.05, min_area=0.0)
+    coarse = torch.zeros(2, 32, 32, dtype=torch.long)
+    fg = torch.tensor([[True], [False]])
+    labels, foreground = method._finer_regions(dist, kl, coarse, fg, (8, 8))
+    up = lab.repeat_interleave(4, 0).repeat_interleave(4, 1)
+    assert same_partition(labels[0], up)
+    assert bool((labels[1] == 0).all())
+    assert foreground[0, :3].all() and not foreground[1].any()
+
+
+def test_fine_regions_of_an_image_do_not_depend_on_its_batch(dinov2_weights):
+    """The finer labels (label_tau) are computed per image over its own proposals: an image
+    alone and in a batch whose other image has more proposals (the slots that pad it are
+    zero maps) gets the same labels and foreground."""
+    from hydra import compose, initialize_config_module
+    from hydra.utils import instantiate
+    from PIL import Image
+
+    from segment.bench import _example_image
+    from segment.models.vit import TimmViT
+
+    with initialize_config_module(version_base="1.3", config_module="segment.configs"):
+        method = instantiate(compose("segment").method)
+    model = TimmViT(name="dinov2_vits14", arch="vit_small_patch14_dinov2.lvd142m", pretrained=False,
+                    checkpoint=str(dinov2_weights), image_size=224, device="cpu")
+    cap = method.capture(model.num_layers)
+    a = _example_image()
+    b = Image.fromarray(np.asarray(a)[::-1, ::2].copy()).resize(a.size)  # another scene
+    counts = []
+    merge = rg.merge_proposals
+
+    def spy(dist, tau, *args, **kw):
+        out = merge(dist, tau, *args, **kw)
+        if tau == method.label_tau:
+            counts.append(out.count.tolist())
+        return out
+
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rg, "merge_proposals", spy)
+        both = method(model.extract(model.collate([a, b]), cap))
+        alone = [method(model.extract(model.collate([im]), cap)) for im in (a, b)]
+    assert counts[0][0] != counts[0][1], "the two images must have different proposal counts"
+    for i, one in enumerate(alone):
+        assert torch.equal(both.labels[i], one.labels[0])
+        k = one.foreground.shape[1]
+        assert torch.equal(both.foreground[i, :k], one.foreground[0])
+        assert not both.foreground[i, k:].any()
+
+
 def _refine_reference(prob, image, radius, dilation, sigma_space, sigma_color, steps):
     """The pixel chain written out plainly in float64: every offset's weight from its own
     colour difference, replicate borders."""
