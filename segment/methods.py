@@ -1034,21 +1034,10 @@ class RegionGrow(Method):
         fine = rg.merge_proposals(dist, float(self.label_tau), int(self.iterations), kl=kl)
         grid_prob = rg.soft_assign(fine).view(b, -1, *grid)
         mask = torch.gather(foreground, 1, labels.flatten(1)).view_as(labels)
-        # every pixel's most likely proposal; one image at a time on the CPU (in cache), the
-        # proposals innermost (channels last: a contiguous max, 3x faster than over planes),
-        # and only the image's own: its proposals come first, the slots after them that
-        # pad the batch are zero everywhere and never the first maximum
-        grid_prob = grid_prob.contiguous(memory_format=torch.channels_last)
-        parts = [grid_prob] if grid_prob.is_cuda else [
-            grid_prob[i: i + 1, : max(1, c)] for i, c in enumerate(fine.count.tolist())
-        ]
-        hard = torch.cat([
-            F.interpolate(part, size=size, mode="bilinear", align_corners=False).max(1).indices
-            for part in parts
-        ]).to(labels.device)
-        if self.connectivity:  # components and specks before the cut: the mask stays exact
-            area = int(round(float(self.min_area) * size[0] * size[1]))
-            hard = rg.connected_regions(hard, min_area=area)
+        # every pixel's most likely proposal, over the image's own proposals (they come
+        # first); components and specks before the cut: the mask stays exact
+        area = int(round(float(self.min_area) * size[0] * size[1])) if self.connectivity else None
+        hard = rg.argmax_regions(grid_prob, fine.count.tolist(), size, area).to(labels.device)
         # the regions: the (proposal region, side of the mask) pairs present, numbered in
         # increasing order (relabel's numbering); a region is foreground when its side is
         key = (hard * 2 + mask.long()).flatten(1)

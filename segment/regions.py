@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -496,16 +496,50 @@ _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (pid, threads): none a
 
 
 def _map_images(fn: Callable[[int], np.ndarray], n: int) -> list[np.ndarray]:
-    """``[fn(0), ..., fn(n - 1)]`` on torch's intra-op thread count (numpy and scikit-image
-    release the GIL, so the images of a batch run side by side as torch's own ops do)."""
+    """``[fn(0), ..., fn(n - 1)]`` on torch's intra-op thread count (numpy, scikit-image and
+    torch release the GIL, so the images of a batch run side by side as torch's own ops do;
+    torch operations in ``fn`` run on one thread each)."""
     threads = min(n, torch.get_num_threads())
     if threads <= 1:
         return [fn(i) for i in range(n)]
     key = (os.getpid(), threads)
     pool = _POOLS.get(key)
     if pool is None:
-        pool = _POOLS[key] = ThreadPoolExecutor(threads, thread_name_prefix="segment-regions")
+        pool = _POOLS[key] = ThreadPoolExecutor(threads, thread_name_prefix="segment-regions",
+                                                initializer=torch.set_num_threads, initargs=(1,))
     return list(pool.map(fn, range(n)))
+
+
+def argmax_regions(maps: Tensor, counts: Sequence[int], size: tuple[int, int],
+                   min_area: int | None = 0) -> Tensor:
+    """Every pixel's most likely map, upsampled bilinearly, as regions.
+
+    Args:
+        maps: ``(B, K, h, w)`` soft maps on the grid; image ``b`` uses its first
+            ``counts[b]`` (the slots after them pad the batch: zero maps, never the first
+            maximum).
+        counts: maps per image.
+        size: ``(H, W)`` the output size.
+        min_area: ``None`` = the argmax ids themselves; else their
+            :func:`connected_regions` with specks under ``min_area`` pixels absorbed.
+
+    Returns:
+        ``(B, H, W)`` long labels. On the CPU image by image, each on one thread, the images
+        side by side (:func:`_map_images`: 1.3x faster on two threads than the batch's
+        operations split over both); on CUDA the whole batch at once.
+    """
+    if maps.is_cuda:
+        hard = F.interpolate(maps, size=size, mode="bilinear", align_corners=False).max(1).indices
+        return hard if min_area is None else connected_regions(hard, min_area=min_area)
+    # the maps innermost (channels last: a contiguous max, 3x faster than over planes)
+    maps = maps.contiguous(memory_format=torch.channels_last)
+
+    def one(i: int) -> np.ndarray:
+        part = maps[i: i + 1, : max(1, int(counts[i]))]
+        hard = F.interpolate(part, size=size, mode="bilinear", align_corners=False).max(1).indices
+        return hard[0].numpy() if min_area is None else _regions_cpu(hard[0].numpy(), int(min_area))
+
+    return torch.from_numpy(np.stack(_map_images(one, maps.shape[0])))
 
 
 def _connected_regions_torch(labels: Tensor, min_area: int = 0) -> Tensor:

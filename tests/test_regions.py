@@ -757,6 +757,28 @@ def test_connected_regions_absorb_specks_on_borders_and_corners_as_the_torch_pat
         assert torch.equal(got, rg._connected_regions_torch(lab, min_area=min_area))
 
 
+@pytest.mark.parametrize("min_area", [None, 0, 5])
+def test_argmax_regions_equal_the_batched_argmax_of_the_upsampled_maps(min_area):
+    # images with fewer maps than the batch are padded with zero maps: upsampling only an
+    # image's own maps, image by image (on the thread pool or not), gives the argmax of all
+    g = torch.Generator().manual_seed(7)
+    counts = [5, 2, 1, 4]
+    maps = torch.zeros(4, 5, 6, 7)
+    for i, c in enumerate(counts):
+        maps[i, :c] = torch.softmax(torch.randn(c, 6, 7, generator=g) * 3, 0)
+    hard = torch.nn.functional.interpolate(maps, size=(40, 50), mode="bilinear",
+                                           align_corners=False).max(1).indices
+    want = hard if min_area is None else rg.connected_regions(hard, min_area=min_area)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            got = rg.argmax_regions(maps, counts, (40, 50), min_area)
+            assert torch.equal(got, want)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_fine_regions_use_every_proposal_of_each_image_of_a_padded_batch():
     """_finer_regions on planted seed distributions: image 0 has three blocks (three
     proposals), image 1 none (one proposal; two zero slots pad it in the batch). Each image
