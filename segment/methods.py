@@ -1038,17 +1038,11 @@ class RegionGrow(Method):
         # first); components and specks before the cut: the mask stays exact
         area = int(round(float(self.min_area) * size[0] * size[1])) if self.connectivity else None
         hard = rg.argmax_regions(grid_prob, fine.count.tolist(), size, area).to(labels.device)
-        # the regions: the (proposal region, side of the mask) pairs present, numbered in
-        # increasing order (relabel's numbering); a region is foreground when its side is
-        key = (hard * 2 + mask.long()).flatten(1)
-        span = 2 * (int(hard.max()) + 1)
-        present = torch.zeros(b, span, dtype=torch.bool, device=key.device).scatter_(1, key, True)
-        new_id = present.long().cumsum(1) - 1
-        k = int(new_id[:, -1].max()) + 1
-        side = present & (torch.arange(span, device=key.device) % 2 == 1)
-        fg = torch.zeros(b, k + 1, dtype=torch.bool, device=key.device)  # column k: the rest
-        fg.scatter_(1, torch.where(side, new_id, k), True)
-        return torch.gather(new_id, 1, key).view_as(hard), fg[:, :k]
+        new = rg.relabel(hard * 2 + mask.long())  # each region cut along the mask
+        # every region lies on one side of the mask: its pixels write that side (ids an
+        # image does not use stay background)
+        fg = torch.zeros(b, int(new.max()) + 1, dtype=torch.bool, device=new.device)
+        return new, fg.scatter_(1, new.flatten(1), mask.flatten(1))
 
 
 # --------------------------------------------------------------------------------------
