@@ -686,21 +686,6 @@ _DY = np.array([-1, -1, -1, 0, 0, 1, 1, 1])  # the 8 neighbours of a pixel
 _DX = np.array([-1, 0, 1, -1, 1, -1, 0, 1])
 
 
-def _grow_into_cpu(cur: np.ndarray) -> np.ndarray:
-    """:func:`_absorb_small`'s growth in numpy: the same labels, visiting only the holes
-    (``cur < 0``) of ``(B, H, W)`` ids (:func:`_grow_holes`)."""
-    b, h, w = cur.shape
-    grid = np.zeros((b, h + 2, w + 2), dtype=np.int64)  # ids + 1; 0 = none (border, holes)
-    grid[:, 1:-1, 1:-1] = cur + 1
-    flat = grid.reshape(-1)
-    row = w + 2
-    bi, yi, xi = np.nonzero(cur < 0)  # the holes, as indices into the padded grid
-    todo = np.ravel_multi_index((bi, yi + 1, xi + 1), grid.shape)
-    step = np.array([-row - 1, -row, -row + 1, -1, 1, row - 1, row, row + 1])
-    _grow_holes(flat, todo, todo[:, None] + step)
-    return grid[:, 1:-1, 1:-1] - 1
-
-
 def _grow_holes(flat: np.ndarray, holes: np.ndarray, around: np.ndarray) -> None:
     """Fill the ``holes`` of flat ids + 1 (0 = none) in place, ``around`` ``(len(holes),
     8)`` the indices of each hole's 8 neighbours (an index that holds 0 for a neighbour
