@@ -137,11 +137,12 @@ def _stage_costs(backbone: Any, method: Any, files: list, batches: list, n: int,
     _sync(device)
     model = time.process_time() - c0
     fp = config_fingerprint(cfg)
+    labels = label_upsampling_setting(cfg.get("label_upsampling"))
     c0 = time.process_time()
     with single_threaded_rendering():  # as the pipeline renders
         for k, (f, im) in enumerate(zip(files, loaded)):  # heatmaps of other images: same cost
             o, i = outs[k % len(outs)]
-            seg = postprocess(o, i, im.size, label_upsampling_setting(cfg.get("label_upsampling")))
+            seg = postprocess(o, i, im.size, labels)
             write_image(out, f.name, np.asarray(im.image), seg, opts, source=f.rel,
                         source_path=str(f.path), source_bytes=0, source_mtime_ns=0, fingerprint=fp)
     write = time.process_time() - c0
