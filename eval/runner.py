@@ -176,13 +176,36 @@ def _compose_method(name: str) -> DictConfig:
     def go() -> DictConfig:
         try:
             return compose(config_name=None, overrides=[f"+method={name}"]).method
-        except MissingConfigException as e:
-            raise ConfigError(f"methods: no method config named {name!r} in configs/method ({e})") from None
+        except MissingConfigException:
+            from segment.front import config_names, suggest
+
+            names = config_names("method")
+            raise ConfigError(
+                f"methods: no method config named {name!r} in configs/method"
+                f"{suggest(name, names)}; choose one of: {', '.join(names)}"
+            ) from None
 
     if GlobalHydra.instance().is_initialized():
         return go()
     with initialize_config_module("segment.configs", version_base="1.3"):
         return go()
+
+
+def _with_knobs(config: str, knobs: dict[str, Any], where: str) -> DictConfig:
+    """``configs/method/<config>.yaml`` with ``knobs`` set; a knob the config does not have is
+    a one-line :class:`ConfigError` naming the entry, the knob and the closest one."""
+    from segment.front import suggest
+
+    node = _compose_method(config)
+    unknown = [str(k) for k in knobs if str(k) not in node]
+    if unknown:
+        keys = [str(k) for k in node if str(k) != "_target_"]
+        k = unknown[0]
+        raise ConfigError(
+            f"{where}: method config {config!r} has no setting {k!r}{suggest(k, keys)};"
+            f" its settings: {', '.join(keys)}"
+        )
+    return OmegaConf.merge(node, knobs)
 
 
 def _label_of_default(cfg: DictConfig) -> str:
@@ -229,7 +252,7 @@ def resolve_methods(cfg: DictConfig) -> list[MethodSpec]:
                         f" '- /method@methods.{label}: bounce'), or {{config: NAME, KNOB: VALUE}}"
                     )
                 knobs = {k: v for k, v in node.items() if k != "config"}
-                node = OmegaConf.merge(_compose_method(str(node.config)), knobs)
+                node = _with_knobs(str(node.config), knobs, f"methods.{label}")
             specs.append(MethodSpec(str(label), node))
     elif isinstance(methods, (ListConfig, list, tuple)):
         for entry in methods:
@@ -239,7 +262,7 @@ def resolve_methods(cfg: DictConfig) -> list[MethodSpec]:
                 entry = OmegaConf.create(entry) if isinstance(entry, dict) else entry
                 knobs = {str(k): v for k, v in entry.items() if k not in ("config",)}
                 label = str(knobs.pop("name", None) or _knob_label(str(entry.config), knobs))
-                node = OmegaConf.merge(_compose_method(str(entry.config)), knobs)
+                node = _with_knobs(str(entry.config), knobs, f"methods ({label})")
                 if "name" in node:
                     node.name = label
                 specs.append(MethodSpec(label, node))

@@ -154,6 +154,17 @@ def test_resolve_methods_forms():
     assert runner.instantiate_method(specs[2]).steps == 4
     with pytest.raises(runner.ConfigError, match="no_such_method"):
         resolve_methods(cfg_for(*TINY, "methods=[no_such_method]"))
+    # a typo: one line with the closest name and the choices (no Hydra search-path dump)
+    with pytest.raises(runner.ConfigError) as e:
+        resolve_methods(cfg_for(*TINY, "methods=[regionz]"))
+    assert "did you mean 'regions'?" in str(e.value) and "\n" not in str(e.value)
+    # a knob the method config does not have, in either form: named, with the closest one
+    with pytest.raises(runner.ConfigError, match=r"methods \(x\): method config 'regions' has"
+                       r" no setting 'label_taw' \(did you mean 'label_tau'\?\)"):
+        resolve_methods(cfg_for(*TINY, "methods=[{config:regions,name:x,label_taw:0.1}]"))
+    with pytest.raises(runner.ConfigError, match=r"methods.four: method config 'bounce' has no"
+                       r" setting 'stepz' \(did you mean 'steps'\?\)"):
+        resolve_methods(cfg_for(*TINY, "+methods.four={config:bounce,stepz:4}"))
     with pytest.raises(runner.ConfigError, match="labelled 'bounce'"):
         resolve_methods(cfg_for(*TINY, "methods=[bounce,{config:bounce,name:bounce,steps:5}]"))
 
@@ -332,6 +343,9 @@ def test_limit_and_errors(folder, tmp_path, capsys):
     assert "dataset.root" in capsys.readouterr().err
     assert run_eval(cfg_for(*TINY, f"dataset.root={folder}", f"output={out}", "methods=[nope]")) == EXIT_BAD_INPUT
     assert "nope" in capsys.readouterr().err
+    assert run_eval(cfg_for(*TINY, f"dataset.root={folder}", f"output={out}",
+                            "methods=[{config:bounce,stepz:2}]")) == EXIT_BAD_INPUT
+    assert "no setting 'stepz'" in capsys.readouterr().err
     # a knob value the method refuses: its message on one line, exit 2, no output folder
     bad = tmp_path / "bad"
     for knobs, why in ((["method=regions", "method.tau=-1"], "'regions': regions: tau must be > 0"),
