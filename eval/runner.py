@@ -797,6 +797,10 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
     for s in specs:
         s.method = instantiate_method(s)
         s.key = method_key(s)
+    for knob, low in (("batch_size", 1), ("num_workers", 0)):
+        v = cfg.get(knob)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+            raise ConfigError(f"{knob} must be an integer >= {low}, got {v!r}")
     n = len(dataset)
     limit = cfg.get("limit")
     if limit is not None:

@@ -227,9 +227,10 @@ class SegmentRun:
         self.segmenter: Segmenter | None = None
         self.opts = RenderOptions(**(OmegaConf.to_container(cfg.render, resolve=True) if cfg.get("render") else {}))
         self.out = Path(str(cfg.output)).expanduser().resolve()
-        self.batch_size = int(cfg.get("batch_size") or 1)
+        bs = cfg.get("batch_size")
+        self.batch_size = 1 if bs is None else int(bs)
         if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+            raise ValueError(f"batch_size must be >= 1, got {bs}")
         nw = cfg.get("num_workers")
         self.num_workers = int(nw) if nw is not None else 0  # 0 = chosen for the device in _build
         if self.num_workers < 0:

@@ -346,6 +346,9 @@ def test_limit_and_errors(folder, tmp_path, capsys):
     assert run_eval(cfg_for(*TINY, f"dataset.root={folder}", f"output={out}",
                             "methods=[{config:bounce,stepz:2}]")) == EXIT_BAD_INPUT
     assert "no setting 'stepz'" in capsys.readouterr().err
+    for knob in ("batch_size=0", "num_workers=-1"):
+        assert run_eval(cfg_for(*TINY, f"dataset.root={folder}", f"output={out}", knob)) == EXIT_BAD_INPUT
+        assert knob.split("=")[0] + " must be an integer" in capsys.readouterr().err
     # a knob value the method refuses: its message on one line, exit 2, no output folder
     bad = tmp_path / "bad"
     for knobs, why in ((["method=regions", "method.tau=-1"], "'regions': regions: tau must be > 0"),

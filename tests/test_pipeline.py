@@ -193,6 +193,11 @@ def test_empty_missing_and_all_bad_inputs(tmp_path, caplog):
     assert run_segment(compose_cfg(bad, tmp_path / "o3")) == 1
     assert "none of the 2 images could be processed" in caplog.text
     assert _manifest(tmp_path / "o3")["counts"]["failed"] == 2
+    # batch_size 0 is refused (it once ran silently as 1), before anything is written
+    caplog.clear()
+    assert run_segment(compose_cfg(bad, tmp_path / "o4", "batch_size=0")) == 2
+    assert "batch_size must be >= 1, got 0" in caplog.text
+    assert not (tmp_path / "o4").exists()
 
 
 def test_max_pixels_and_min_size(tmp_path):
