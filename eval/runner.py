@@ -791,16 +791,16 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
     if mask_at not in ("image", "grid"):
         raise ConfigError(f"mask_at must be 'image' or 'grid', got {mask_at!r}")
     reps = _bootstrap_reps(cfg)
+    for knob, low in (("batch_size", 1), ("num_workers", 0)):
+        v = cfg.get(knob)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+            raise ConfigError(f"{knob} must be an integer >= {low}, got {v!r}")
 
     dataset = _instantiate_dataset(cfg)
     specs = resolve_methods(cfg)
     for s in specs:
         s.method = instantiate_method(s)
         s.key = method_key(s)
-    for knob, low in (("batch_size", 1), ("num_workers", 0)):
-        v = cfg.get(knob)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
-            raise ConfigError(f"{knob} must be an integer >= {low}, got {v!r}")
     n = len(dataset)
     limit = cfg.get("limit")
     if limit is not None:
