@@ -108,8 +108,11 @@ def _stage_costs(backbone: Any, method: Any, files: list, batches: list, n: int,
     """CPU milliseconds per image of each stage run alone, one after the other (no overlap).
 
     Less sensitive to other processes than wall time: ``bare / (read + model + write)`` is
-    the ratio the pipeline would reach with no overlap at all (a lower bound).
+    the ratio the pipeline would reach with no overlap at all (a lower bound). Each stage
+    runs as the pipeline runs it: the method through :meth:`Segmenter.apply` (two halves of
+    a batch at once on the CPU), post-processing and writing on one torch thread.
     """
+    from segment.api import Segmenter
     from segment.io import read_image
     from segment.masks import label_upsampling_setting
     from segment.outputs import RenderOptions, postprocess, single_threaded_rendering, write_image
@@ -127,25 +130,31 @@ def _stage_costs(backbone: Any, method: Any, files: list, batches: list, n: int,
         backbone.forward_plain(b)
     _sync(device)
     bare = time.process_time() - c0
+    segmenter = Segmenter(backbone, method)
     capture = method.capture(backbone.num_layers)
     outs = []
     c0 = time.process_time()
     with torch.no_grad():
         for b in batches:
-            o = method(backbone.extract(b, capture))
+            o = segmenter.apply(backbone.extract(b, capture))
             outs += [(o, i) for i in range(b.shape[0])]
     _sync(device)
     model = time.process_time() - c0
     fp = config_fingerprint(cfg)
     labels = label_upsampling_setting(cfg.get("label_upsampling"))
-    c0 = time.process_time()
-    with single_threaded_rendering():  # as the pipeline renders
-        for k, (f, im) in enumerate(zip(files, loaded)):  # heatmaps of other images: same cost
-            o, i = outs[k % len(outs)]
-            seg = postprocess(o, i, im.size, labels)
-            write_image(out, f.name, np.asarray(im.image), seg, opts, source=f.rel,
-                        source_path=str(f.path), source_bytes=0, source_mtime_ns=0, fingerprint=fp)
-    write = time.process_time() - c0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the pipeline's writer threads
+    try:
+        c0 = time.process_time()
+        with single_threaded_rendering():  # as the pipeline renders
+            for k, (f, im) in enumerate(zip(files, loaded)):  # heatmaps of other images: same cost
+                o, i = outs[k % len(outs)]
+                seg = postprocess(o, i, im.size, labels)
+                write_image(out, f.name, np.asarray(im.image), seg, opts, source=f.rel,
+                            source_path=str(f.path), source_bytes=0, source_mtime_ns=0, fingerprint=fp)
+        write = time.process_time() - c0
+    finally:
+        torch.set_num_threads(threads)
     ms = lambda t: round(1000 * t / n, 2)  # noqa: E731
     return {"read_preprocess": ms(read), "bare_forward": ms(bare), "extract_method": ms(model),
             "postprocess_write": ms(write)}

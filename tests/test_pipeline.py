@@ -421,3 +421,35 @@ def test_pipeline_benchmark_runs(tmp_path):
     assert set(res["stages_cpu_ms_per_image"]) == {"read_preprocess", "bare_forward", "extract_method",
                                                     "postprocess_write"}
     assert 0 < res["serial_ratio"]
+
+
+def test_pipeline_benchmark_stages_run_as_the_pipeline_runs_them(tmp_path, monkeypatch):
+    """The "stages alone" costs: the method through Segmenter.apply (the pipeline's path),
+    post-processing and writing on one torch thread (as its writer threads)."""
+    import segment.api as api_mod
+    import segment.outputs as outputs_mod
+    from segment.bench_pipeline import main
+
+    applied, write_threads = [], []
+    real_apply, real_write = api_mod.Segmenter.apply, outputs_mod.write_image
+
+    def apply(self, record):
+        applied.append(record.batch_size)
+        return real_apply(self, record)
+
+    def write(*a, **k):
+        write_threads.append(torch.get_num_threads())
+        return real_write(*a, **k)
+
+    monkeypatch.setattr(api_mod.Segmenter, "apply", apply)
+    monkeypatch.setattr(outputs_mod, "write_image", write)
+    before = torch.get_num_threads()
+    try:
+        assert main(["--model", "vit_tiny_random", "--images", "4", "--repeats", "1", "--batch-size", "2",
+                     "--workers", "1", "--threads", "2"]) == 0
+        assert torch.get_num_threads() == 2  # the benchmark's setting, back after the write stage
+    finally:
+        torch.set_num_threads(before)
+    # warm-up 1, the stages 2 batches, one pipeline run 2 batches
+    assert applied.count(2) >= 4
+    assert write_threads == [1] * 4  # only the stage loop calls it here (the pipeline imports its own)
