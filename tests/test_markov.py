@@ -182,6 +182,50 @@ def test_lambda2_against_dense_float64_on_structured_chains():
     assert not bool(fast.dense.any())  # the fast path sufficed
 
 
+@pytest.mark.parametrize("per", [2, 3, 7])
+def test_lambda2_products_in_cache_sized_runs_give_the_same_answers(per, monkeypatch):
+    """On the CPU a cycle's products run on a few chains at a time (those that fit in half
+    the cache): the same values, eigenvalues and product counts as one run of all chains,
+    within 1e-4 of dense float64; fewer than two chains per run means one run."""
+    a = clustered_attention(7, 300, clusters=5, sharp=8.0, seed=3).float()
+    chain = 300 * 300 * 4
+    monkeypatch.setattr(markov, "_cpu_cache_bytes", lambda: 0)
+    whole = markov.lambda2(a, return_info=True)
+    calls = []
+    real_bmm = torch.bmm
+
+    def bmm(x, y):
+        if y.shape[-1] == 300 and y.shape[-2] == 300:  # a product with the chains
+            calls.append(x.shape[0])
+        return real_bmm(x, y)
+
+    monkeypatch.setattr(markov, "_cpu_cache_bytes", lambda: per * chain)
+    monkeypatch.setattr(torch, "bmm", bmm)
+    runs = markov.lambda2(a, return_info=True)
+    monkeypatch.setattr(torch, "bmm", real_bmm)
+    # the start block on all 7, then the first run's 19 blocks on ``per`` chains
+    assert calls[0] == 7 and calls[1:20] == [per] * 19
+    assert torch.equal(runs.value, whole.value) and torch.equal(runs.eigenvalue, whole.eigenvalue)
+    assert torch.equal(runs.matvecs, whole.matvecs) and bool(runs.converged.all())
+    for b in range(7):
+        assert abs(float(runs.value[b]) - second_modulus_reference(a[b].double().numpy())) < 1e-4
+
+
+def test_cpu_cache_size_from_sysfs(tmp_path):
+    for i, (level, kind, size) in enumerate([(1, "Data", "32K"), (1, "Instruction", "64K"),
+                                             (2, "Unified", "1024K"), (3, "Unified", "32768K")]):
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    assert markov._cpu_cache_bytes(str(tmp_path)) == 16 << 20  # half of the L3
+    (tmp_path / "index3" / "size").write_text("2M\n")
+    markov._cpu_cache_bytes.cache_clear()
+    assert markov._cpu_cache_bytes(str(tmp_path)) == 1 << 20  # half the largest: the 2 MiB
+    assert markov._cpu_cache_bytes(str(tmp_path / "missing")) == 0  # unknown: one run
+
+
 def test_lambda2_degenerate_uniform_random_falls_back():
     g = torch.Generator().manual_seed(0)
     a = torch.rand(2, 300, 300, generator=g, dtype=torch.float64)
