@@ -665,6 +665,13 @@ def _orth_rows(z: Tensor, basis: Tensor | None, gen: torch.Generator) -> Tensor:
         return v - v.mean(-1, keepdim=True)
 
     one = z.shape[1] == 1
+    if one:  # the common case in two projections, one check (the loop below when it fails)
+        p1 = project(z)
+        n1 = p1.norm(dim=-1, keepdim=True)
+        p2 = project(p1)
+        n2 = p2.norm(dim=-1, keepdim=True)
+        if not bool(((n1 <= torch.finfo(z.dtype).tiny) | (n2 < 0.5 * n1)).any()):
+            return p2 / n2
     before = z.norm(dim=-1)
     for rnd in range(6):
         p = project(z)

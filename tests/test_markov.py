@@ -211,6 +211,33 @@ def test_lambda2_products_in_cache_sized_runs_give_the_same_answers(per, monkeyp
         assert abs(float(runs.value[b]) - second_modulus_reference(a[b].double().numpy())) < 1e-4
 
 
+@pytest.mark.parametrize("case", ["random", "in_span", "zero", "mixed"])
+def test_orth_rows_one_row_is_unit_sum_zero_and_orthogonal_to_the_basis(case):
+    """The one-row Gram-Schmidt (two projections, one check; the general loop when a row
+    lost more than half its norm or is zero): unit rows, sum zero, orthogonal to the basis."""
+    g = torch.Generator().manual_seed(1)
+    m, d, n = 3, 6, 50
+    q = torch.linalg.qr(torch.randn(m, n, d + 1, generator=g, dtype=torch.float64)).Q
+    q = q - q.mean(1, keepdim=True)  # sum-zero columns, then orthonormal again
+    basis = torch.linalg.qr(q).Q.transpose(1, 2)[:, :d].contiguous()
+    z = torch.randn(m, 1, n, generator=g, dtype=torch.float64)
+    if case == "in_span":  # all in the span: only rounding noise is left after projecting
+        z = basis[:, 2:3] + 0.5 * basis[:, 4:5]
+    elif case == "zero":
+        z = torch.zeros(m, 1, n, dtype=torch.float64)
+    elif case == "mixed":  # one row in the span, the others random
+        z[1] = basis[1, :1] * 3 + 1e-14
+    out = markov._orth_rows(z, basis, g)
+    assert out.shape == (m, 1, n) and bool(torch.isfinite(out).all())
+    torch.testing.assert_close(out.norm(dim=-1), torch.ones(m, 1, dtype=torch.float64))
+    assert float(out.sum(-1).abs().max()) < 1e-12
+    assert float(torch.bmm(out, basis.transpose(1, 2)).abs().max()) < 1e-10
+    if case == "random":  # the projection of z, normalised
+        p = z - z.mean(-1, keepdim=True)
+        p = p - torch.bmm(torch.bmm(p, basis.transpose(1, 2)), basis)
+        torch.testing.assert_close(out, p / p.norm(dim=-1, keepdim=True))
+
+
 def test_cpu_cache_size_from_sysfs(tmp_path):
     for i, (level, kind, size) in enumerate([(1, "Data", "32K"), (1, "Instruction", "64K"),
                                              (2, "Unified", "1024K"), (3, "Unified", "32768K")]):
