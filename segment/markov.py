@@ -560,7 +560,8 @@ def lambda2(
     ``(block x N) @ (N x N)`` products, takes the Rayleigh-Ritz values of the small
     projected matrix in float64, and restarts from the ``keep`` leading Ritz vectors plus
     the next Krylov block (Krylov-Schur). All of it is batched matmuls and small QR / eig,
-    on CPU or CUDA.
+    on CPU or CUDA. On the CPU a cycle's products run on as many chains at a time as fit
+    in half the largest CPU cache (the products are memory-bound; same answers).
 
     ``method="auto"`` (default) is a cascade that keeps the answer within ``1e-4`` of a
     dense float64 eigendecomposition: fp32 Krylov for every element; float64 Krylov for
@@ -842,7 +843,8 @@ def _lambda2_krylov(
     # on the CPU each product streams its chain from memory (memory-bound): a cycle's blocks
     # run on a few chains at a time, which stay in the cache from one block to the next
     # (half the largest cache: at N = 1025 the products 2-3x faster, lambda2 1.4x; the
-    # answers bit-identical). Fewer than two chains per run stay one run: at N = 4097 one
+    # answers bit-identical, unless a block needs random directions: they are drawn in run
+    # order). Fewer than two chains per run stay one run: at N = 4097 one
     # chain per run was 1.4x slower, as the threads split the batch (HISTORY.md)
     per = (_cpu_cache_bytes() if dev.type == "cpu" else 0) // (n * n * x.element_size())
     per = per if per >= 2 else m
