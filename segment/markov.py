@@ -833,13 +833,11 @@ def _lambda2_krylov(
     matvecs = torch.full((m,), b, dtype=torch.long, device=dev)
 
     active = torch.arange(m, device=dev)
-    mats = x
     # the basis rows and their images live in two preallocated buffers (no concatenation)
     basis = torch.empty(m, d, n, dtype=dt, device=dev)
     images = torch.empty(m, d, n, dtype=dt, device=dev)
     basis[:, :b] = _orth_rows(torch.randn(m, b, n, generator=gen, dtype=dt).to(dev), None, gen)
-    images[:, :b] = torch.bmm(basis[:, :b], mats)
-    filled = b
+    filled = b  # a cycle starts with the images of rows [filled - b, filled) to compute
     # on the CPU each product streams its chain from memory (memory-bound): a cycle's blocks
     # run on a few chains at a time, which stay in the cache from one block to the next
     # (half the largest cache: at N = 1025 the products 2-3x faster, lambda2 1.4x; the
@@ -848,11 +846,28 @@ def _lambda2_krylov(
     # chain per run was 1.4x slower, as the threads split the batch (HISTORY.md)
     per = (_cpu_cache_bytes() if dev.type == "cpu" else 0) // (n * n * x.element_size())
     per = per if per >= 2 else m
+    # one run: the active chains, gathered once per cycle in which some converged; several
+    # runs: each run's chains are a view of x when consecutive, else gathered into a buffer
+    # that stays cached (the gather reads them from memory once, as a product would)
+    mats: Tensor | None = x if per >= m else None
+    buf: Tensor | None = None
     for cycle in range(max_cycles):
-        ma = mats.shape[0]
+        ma = active.numel()
         for c0 in range(0, ma, per):
             sl = slice(c0, c0 + per)
-            bs, im, ms = basis[sl], images[sl], mats[sl]
+            bs, im = basis[sl], images[sl]
+            if mats is not None:
+                ms = mats[sl]
+            else:
+                idx = active[sl]
+                first, cnt = int(idx[0]), idx.numel()
+                if int(idx[-1]) - first == cnt - 1:
+                    ms = x[first:first + cnt]
+                else:
+                    if buf is None:
+                        buf = torch.empty(per, n, n, dtype=dt, device=dev)
+                    ms = torch.index_select(x, 0, idx, out=buf[:cnt])
+            im[:, filled - b:filled] = torch.bmm(bs[:, filled - b:filled], ms)
             for lo in range(filled, d, b):
                 bs[:, lo:lo + b] = _orth_rows(im[:, lo - b:lo], bs[:, :lo], gen)
                 # assigned, not out=: bmm into a strided slice of images is 1.5x slower
@@ -869,7 +884,9 @@ def _lambda2_krylov(
         # index_select, not boolean indexing: the latter copies the chains 5x slower here
         left = (~done).nonzero().squeeze(-1)
         if left.numel() < active.numel():  # one copy per cycle, cheaper than products on all
-            active, mats = active[left], mats.index_select(0, left)
+            active = active[left]
+            if mats is not None:
+                mats = mats.index_select(0, left)
             basis, images = basis.index_select(0, left), images.index_select(0, left)
             theta, vecs = theta.index_select(0, left), vecs.index_select(0, left)
         f = _orth_rows(images[:, d - b:], basis, gen)  # the next Krylov block
@@ -878,8 +895,7 @@ def _lambda2_krylov(
         q, rr = torch.linalg.qr(start.transpose(1, 2))  # re-orthonormalise (rounding)
         basis[:, :k] = q.transpose(1, 2)
         images[:, :k] = torch.linalg.solve_triangular(rr.transpose(1, 2), start_img, upper=False)
-        basis[:, k:k + b] = f
-        images[:, k:k + b] = torch.bmm(f, mats)
+        basis[:, k:k + b] = f  # its images: the next cycle's first product
         matvecs[active] += b
         filled = k + b
     return Lambda2Result(

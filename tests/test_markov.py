@@ -187,24 +187,40 @@ def test_lambda2_products_in_cache_sized_runs_give_the_same_answers(per, monkeyp
     """On the CPU a cycle's products run on a few chains at a time (those that fit in half
     the cache): the same values, eigenvalues and product counts as one run of all chains,
     within 1e-4 of dense float64; fewer than two chains per run means one run."""
-    a = clustered_attention(7, 300, clusters=5, sharp=8.0, seed=3).float()
+    easy = clustered_attention(3, 300, clusters=5, sharp=8.0, seed=3)  # 20 products each
+    slow = clustered_attention(2, 300, clusters=12, sharp=8.0, seed=3)  # 40
+    slower = clustered_attention(2, 300, clusters=5, sharp=20.0, seed=3)  # 50-60
+    # converging at different cycles, so later runs hold chains that are not consecutive
+    a = torch.stack([easy[0], slow[0], easy[1], slower[0], slow[1], easy[2], slower[1]]).float()
     chain = 300 * 300 * 4
     monkeypatch.setattr(markov, "_cpu_cache_bytes", lambda: 0)
     whole = markov.lambda2(a, return_info=True)
-    calls = []
-    real_bmm = torch.bmm
+    calls, gathered = [], []
+    real_bmm, real_select = torch.bmm, torch.index_select
 
     def bmm(x, y):
         if y.shape[-1] == 300 and y.shape[-2] == 300:  # a product with the chains
             calls.append(x.shape[0])
         return real_bmm(x, y)
 
+    def index_select(*args, **kw):
+        if "out" in kw:  # a run's chains gathered into the cached buffer
+            gathered.append(args[2].tolist())
+        return real_select(*args, **kw)
+
     monkeypatch.setattr(markov, "_cpu_cache_bytes", lambda: per * chain)
     monkeypatch.setattr(torch, "bmm", bmm)
+    monkeypatch.setattr(torch, "index_select", index_select)
     runs = markov.lambda2(a, return_info=True)
     monkeypatch.setattr(torch, "bmm", real_bmm)
-    # the start block on all 7, then the first run's 19 blocks on ``per`` chains
-    assert calls[0] == 7 and calls[1:20] == [per] * 19
+    monkeypatch.setattr(torch, "index_select", real_select)
+    assert len(set(whole.matvecs.tolist())) >= 3  # converged at three or more cycles
+    if per < 7:  # chains 1, 3, 4 and 6 go on: runs of them that are not consecutive
+        assert gathered and all(any(b - a > 1 for a, b in zip(g, g[1:])) for g in gathered)
+    else:  # one run: the active chains are gathered once per cycle, as before
+        assert not gathered
+    # the first run: its start block and 19 more, each on ``per`` chains
+    assert calls[:20] == [per] * 20 and sum(calls[:20 * -(-7 // per)]) == 20 * 7
     assert torch.equal(runs.value, whole.value) and torch.equal(runs.eigenvalue, whole.eigenvalue)
     assert torch.equal(runs.matvecs, whole.matvecs) and bool(runs.converged.all())
     for b in range(7):
