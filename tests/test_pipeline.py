@@ -421,6 +421,27 @@ def test_pipeline_benchmark_runs(tmp_path):
     assert set(res["stages_cpu_ms_per_image"]) == {"read_preprocess", "bare_forward", "extract_method",
                                                     "postprocess_write"}
     assert 0 < res["serial_ratio"]
+    for key in ("bare_idle_share", "pipeline_idle_share"):  # Linux: a share of the cores' time
+        assert res[key] is None or 0 <= res[key] <= 1
+
+
+def test_pipeline_benchmark_idle_share_from_proc_stat(tmp_path):
+    """The idle core time between two readings of /proc/stat's first line (idle + iowait
+    over user .. steal; guest time is already inside user and nice)."""
+    from segment.bench_pipeline import _cpu_jiffies, _idle_share
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 5 20 300 10 1 2 3 40 0\ncpu0 50 2 10 150 5 0 1 1 20 0\n")
+    before = _cpu_jiffies(stat)
+    assert before == (310, 441)
+    stat.write_text("cpu  160 5 30 330 20 1 2 3 70 0\n")
+    after = _cpu_jiffies(stat)
+    assert after == (350, 551)
+    assert _idle_share(before, after) == pytest.approx(40 / 110)
+    assert _idle_share(after, before) is None and _idle_share(None, after) is None
+    assert _cpu_jiffies(tmp_path / "missing") is None
+    (tmp_path / "odd").write_text("intr 1 2 3\n")
+    assert _cpu_jiffies(tmp_path / "odd") is None
 
 
 def test_pipeline_benchmark_stages_run_as_the_pipeline_runs_them(tmp_path, monkeypatch):
