@@ -775,8 +775,10 @@ def _restart_coefficients(theta: Tensor, vecs: Tensor, k: int) -> Tensor:
 
 @functools.lru_cache(maxsize=4)
 def _cpu_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
-    """Half the largest data cache of the CPU (Linux sysfs; 0 where unknown): the bytes of
-    chains in one run of Krylov products on the CPU (:func:`_lambda2_krylov`)."""
+    """A quarter of the largest data cache of the CPU (Linux sysfs; 0 where unknown): the
+    bytes of chains in one run of Krylov products on the CPU (:func:`_lambda2_krylov`). The
+    last-level cache is shared with the other cores (and, on a cloud machine, with other
+    tenants): runs of a quarter of it were faster than runs of half of it (HISTORY.md)."""
     sizes = []
     for d in Path(root).glob("index*"):
         try:
@@ -789,7 +791,7 @@ def _cpu_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
         digits = text.rstrip("KMG")
         if digits.isdigit():
             sizes.append(int(digits) * unit)
-    return max(sizes, default=0) // 2
+    return max(sizes, default=0) // 4
 
 
 def _lambda2_krylov(
@@ -840,12 +842,13 @@ def _lambda2_krylov(
     filled = b  # a cycle starts with the images of rows [filled - b, filled) to compute
     # on the CPU each product streams its chain from memory (memory-bound): a cycle's blocks
     # run on a few chains at a time, which stay in the cache from one block to the next
-    # (half the largest cache: at N = 1025 the products 2-3x faster, lambda2 1.4x; the
-    # answers bit-identical, unless a block needs random directions: they are drawn in run
-    # order). Fewer than two chains per run stay one run: at N = 4097 one
-    # chain per run was 1.4x slower, as the threads split the batch (HISTORY.md)
+    # (a quarter of the largest cache: at N = 1025 the products 2-3x faster than one run of
+    # all, lambda2 1.4x; the answers bit-identical, unless a block needs random directions:
+    # they are drawn in run order). At least two chains per run: when one chain fills the
+    # quarter, two (half the cache) run together; when not even one fits, one run of all
+    # (at N = 4097 one chain per run was 1.4x slower, as the threads split the batch)
     per = (_cpu_cache_bytes() if dev.type == "cpu" else 0) // (n * n * x.element_size())
-    per = per if per >= 2 else m
+    per = 2 if per == 1 else (per if per >= 2 else m)
     # one run: the active chains, gathered once per cycle in which some converged; several
     # runs: each run's chains are a view of x when consecutive, else gathered into a buffer
     # that stays cached (the gather reads them from memory once, as a product would)

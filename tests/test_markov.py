@@ -182,11 +182,12 @@ def test_lambda2_against_dense_float64_on_structured_chains():
     assert not bool(fast.dense.any())  # the fast path sufficed
 
 
-@pytest.mark.parametrize("per", [2, 3, 7])
-def test_lambda2_products_in_cache_sized_runs_give_the_same_answers(per, monkeypatch):
-    """On the CPU a cycle's products run on a few chains at a time (those that fit in half
-    the cache): the same values, eigenvalues and product counts as one run of all chains,
-    within 1e-4 of dense float64; fewer than two chains per run means one run."""
+@pytest.mark.parametrize(("fit", "per"), [(0, 7), (1, 2), (2, 2), (3, 3), (7, 7)])
+def test_lambda2_products_in_cache_sized_runs_give_the_same_answers(fit, per, monkeypatch):
+    """On the CPU a cycle's products run on a few chains at a time (those that fit in a
+    quarter of the cache, at least two): the same values, eigenvalues and product counts as
+    one run of all chains, within 1e-4 of dense float64. ``fit`` chains fit the budget (none:
+    one run of all seven)."""
     easy = clustered_attention(3, 300, clusters=5, sharp=8.0, seed=3)  # 20 products each
     slow = clustered_attention(2, 300, clusters=12, sharp=8.0, seed=3)  # 40
     slower = clustered_attention(2, 300, clusters=5, sharp=20.0, seed=3)  # 50-60
@@ -208,7 +209,7 @@ def test_lambda2_products_in_cache_sized_runs_give_the_same_answers(per, monkeyp
             gathered.append(args[2].tolist())
         return real_select(*args, **kw)
 
-    monkeypatch.setattr(markov, "_cpu_cache_bytes", lambda: per * chain)
+    monkeypatch.setattr(markov, "_cpu_cache_bytes", lambda: fit * chain + 1)
     monkeypatch.setattr(torch, "bmm", bmm)
     monkeypatch.setattr(torch, "index_select", index_select)
     runs = markov.lambda2(a, return_info=True)
@@ -262,10 +263,10 @@ def test_cpu_cache_size_from_sysfs(tmp_path):
         (d / "level").write_text(f"{level}\n")
         (d / "type").write_text(f"{kind}\n")
         (d / "size").write_text(f"{size}\n")
-    assert markov._cpu_cache_bytes(str(tmp_path)) == 16 << 20  # half of the L3
+    assert markov._cpu_cache_bytes(str(tmp_path)) == 8 << 20  # a quarter of the L3
     (tmp_path / "index3" / "size").write_text("2M\n")
     markov._cpu_cache_bytes.cache_clear()
-    assert markov._cpu_cache_bytes(str(tmp_path)) == 1 << 20  # half the largest: the 2 MiB
+    assert markov._cpu_cache_bytes(str(tmp_path)) == 512 << 10  # a quarter of the largest: 2 MiB
     assert markov._cpu_cache_bytes(str(tmp_path / "missing")) == 0  # unknown: one run
 
 
