@@ -561,7 +561,8 @@ def lambda2(
     projected matrix in float64, and restarts from the ``keep`` leading Ritz vectors plus
     the next Krylov block (Krylov-Schur). All of it is batched matmuls and small QR / eig,
     on CPU or CUDA. On the CPU a cycle's products run on as many chains at a time as fit
-    in half the largest CPU cache (the products are memory-bound; same answers).
+    in a quarter of the largest CPU cache, at least two (the products are memory-bound;
+    same answers).
 
     ``method="auto"`` (default) is a cascade that keeps the answer within ``1e-4`` of a
     dense float64 eigendecomposition: fp32 Krylov for every element; float64 Krylov for
