@@ -295,9 +295,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "bare_cpu_s_per_image": round(med(bare_cpu), 4),
         "pipeline_cpu_s_per_image": round(med(pipe_cpu), 4),
         "cpu_ratio": round(med(bare_cpu) / med(pipe_cpu), 3),
-        # the machine's idle core time while each ran (Linux /proc/stat; None elsewhere): the
-        # pipeline can only beat its CPU-time ratio by keeping the cores as busy as the bare
-        # forward does
+        # the machine's idle core time while each ran (Linux /proc/stat; None elsewhere): on
+        # an otherwise idle machine the wall ratio is the CPU-time ratio times the pipeline's
+        # busy share of the cores over the bare forward's
         "bare_idle_share": _median_or_none(bare_idle),
         "pipeline_idle_share": _median_or_none(pipe_idle),
         "target_ratio": 0.75,
