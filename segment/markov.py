@@ -669,10 +669,13 @@ def _orth_rows(z: Tensor, basis: Tensor | None, gen: torch.Generator) -> Tensor:
     one = z.shape[1] == 1
     if one:  # the common case in two projections, one check (the loop below when it fails)
         p1 = project(z)
-        n1 = p1.norm(dim=-1, keepdim=True)
+        n1 = torch.linalg.vector_norm(p1, dim=-1, keepdim=True)
         p2 = project(p1)
-        n2 = p2.norm(dim=-1, keepdim=True)
-        if not bool(((n1 <= torch.finfo(z.dtype).tiny) | (n2 < 0.5 * n1)).any()):
+        n2 = torch.linalg.vector_norm(p2, dim=-1, keepdim=True)
+        # the check on the host in one transfer (a few small operations cost more here)
+        tiny = torch.finfo(z.dtype).tiny
+        norms = torch.cat([n1, n2], -1).flatten(0, 1).tolist()
+        if not any(a <= tiny or b < 0.5 * a for a, b in norms):
             return p2 / n2
     before = z.norm(dim=-1)
     for rnd in range(6):
