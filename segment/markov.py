@@ -852,7 +852,7 @@ def _lambda2_krylov(
     # quarter, two (half the cache) run together; when not even one fits, one run of all
     # (at N = 4097 one chain per run was 1.4x slower, as the threads split the batch)
     per = (_cpu_cache_bytes() if dev.type == "cpu" else 0) // (n * n * x.element_size())
-    per = 2 if per == 1 else (per if per >= 2 else m)
+    per = max(per, 2) if per else m
     # one run: the active chains, gathered once per cycle in which some converged; several
     # runs: each run's chains are a view of x when consecutive, else gathered into a buffer
     # that stays cached (the gather reads them from memory once, as a product would)
