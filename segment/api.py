@@ -268,14 +268,15 @@ class Batch:
     record: AttentionRecord
 
 
-def _one_thread(method: Any, record: AttentionRecord, threads: int) -> MethodOutput:
-    """``method(record)`` on one torch thread in this thread (``threads`` after)."""
+def _one_thread(method: Any, record: AttentionRecord) -> MethodOutput:
+    """``method(record)`` on one torch thread in this thread (its thread count restored after)."""
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.no_grad():
             return method(record)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 class Segmenter:
@@ -349,10 +350,11 @@ class Segmenter:
         with torch.no_grad():
             return self.backbone.extract(pixels, self.capture)
 
-    def apply(self, record: AttentionRecord) -> MethodOutput:
+    def apply(self, record: AttentionRecord, *, threads: int | None = None) -> MethodOutput:
         """The method on a batch's attention record; its output on the CPU.
 
-        On the CPU with several torch threads, the batch runs as two halves of its images
+        On the CPU with several torch threads (``threads``, default this thread's torch
+        thread count), the batch runs as two halves of its images
         at once (this thread and a helper), each on one torch thread: a method's many small
         operations split badly over threads (about 1.4 of 2 cores busy), two halves keep
         both busy. Methods compute per image, so the masks and labels are those of the
@@ -362,23 +364,23 @@ class Segmenter:
         level of the heatmap PNG, 1/255). The command and the API both
         come here: their files and results stay equal.
         """
-        out = self._method(record)
+        out = self._method(record, torch.get_num_threads() if threads is None else int(threads))
         return MethodOutput(
             heatmap=out.heatmap.detach().float().cpu(),
             labels=None if out.labels is None else out.labels.detach().cpu(),
             foreground=None if out.foreground is None else out.foreground.detach().cpu(),
         )
 
-    def _method(self, record: AttentionRecord) -> MethodOutput:
-        b, threads = record.batch_size, torch.get_num_threads()
+    def _method(self, record: AttentionRecord, threads: int) -> MethodOutput:
+        b = record.batch_size
         on_cpu = next(iter(record.attn.values())).device.type == "cpu"
         if not on_cpu or threads < 2 or b < 2 or record.extras:
             with torch.no_grad():
                 return self.method(record)
         half = (b + 1) // 2
         with ThreadPoolExecutor(1, thread_name_prefix="segment-method-half") as helper:
-            second = helper.submit(_one_thread, self.method, record.images(half, b), threads)
-            first = _one_thread(self.method, record.images(0, half), threads)
+            second = helper.submit(_one_thread, self.method, record.images(half, b))
+            first = _one_thread(self.method, record.images(0, half))
             return concat_outputs([first, second.result()])
 
     def postprocess(self, out: MethodOutput, index: int, size: tuple[int, int]) -> Segmentation:

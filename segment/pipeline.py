@@ -97,6 +97,82 @@ log = logging.getLogger(__name__)
 EXIT_NOTHING_DONE = EXIT_FAILED
 
 
+class CoreSharing:
+    """The forward's torch threads give way to the helper threads that are busy (CPU runs).
+
+    A forward on ``T`` torch threads waits at the end of every operator for its slowest
+    thread. A helper thread (reading, the method, writing) that takes a core from one of
+    them stalls the others: on the 2-core development machine a writer next to a bare
+    forward halved the forward's images/s, and libgomp's barriers, throttled because more
+    threads held OpenMP teams than there were cores, left 8-12% of the cores idle in a
+    ``segment`` run (``eval/results/bench/HISTORY.md``). So while helpers are busy, the
+    forward's next operators run on ``max(1, T - busy)`` threads, on ``T`` again once they
+    are idle: a module forward pre-hook, acting only in the thread that entered this
+    context, sets the count before every module (cheap: a check per module, and about a
+    dozen switches in a 48-image run at 224 px). The helpers themselves run on one torch
+    thread each, so no thread but the forward's keeps an OpenMP team.
+
+    The operators of the forward give the same values at any thread count on the machines
+    this was measured on (``tests/test_pipeline.py`` checks a ViT's record at 1 and 2
+    threads; a 100-image run wrote the same bytes as before); a BLAS whose reductions
+    depend on the thread count would make low bits depend on timing.
+
+    Args:
+        threads: ``T``, the forward's torch threads (``< 2``: nothing changes).
+    """
+
+    def __init__(self, threads: int) -> None:
+        self.threads = int(threads)
+        self.busy = 0
+        self.switches = 0
+        self._lock = threading.Lock()
+        self._now = self.threads
+        self._owner: int | None = None
+        self._hook: Any = None
+
+    @property
+    def active(self) -> bool:
+        return self.threads >= 2
+
+    def helper(self, fn: Any, weight: int = 1) -> Any:
+        """``fn`` counted as ``weight`` busy helper threads while it runs."""
+        if not self.active:
+            return fn
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                self.busy += weight
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.busy -= weight
+        return run
+
+    def _before_module(self, _module: Any, _inputs: Any) -> None:
+        if threading.get_ident() != self._owner:
+            return
+        n = max(1, self.threads - self.busy)
+        if n != self._now:
+            torch.set_num_threads(n)
+            self._now = n
+            self.switches += 1
+
+    def __enter__(self) -> CoreSharing:
+        if self.active:
+            self._owner = threading.get_ident()
+            self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_module)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+            if self._now != self.threads:
+                torch.set_num_threads(self.threads)
+                self._now = self.threads
+
+
 class _ModelFailed(Exception):
     """The model or method could not run on an image (the message says why)."""
 
@@ -245,6 +321,7 @@ class SegmentRun:
         self.pin_memory = False  # set in _build: True when the backbone is on CUDA
         self.input_device = torch.device("cpu")  # where the backbone wants its pixels
         self._extracting = threading.Lock()  # one capture at a time (the hooks are per model)
+        self.method_threads = torch.get_num_threads()  # the run's torch threads (set in _process)
         self.t = _Timings()
         self.statuses: dict[str, _Status] = {}
         self.records: dict[str, ImageRecord] = {}
@@ -464,7 +541,7 @@ class SegmentRun:
         keeps the record, so a failed batch's memory is free before the retries."""
         t0 = time.perf_counter()
         try:
-            out = self.segmenter.apply(held.pop() if held else self._extract(items))
+            out = self.segmenter.apply(held.pop() if held else self._extract(items), threads=self.method_threads)
         except Exception as e:
             reason = self._batch_failed(items, e)
             if reason is not None:
@@ -508,19 +585,23 @@ class SegmentRun:
         prefetch = max(2 * self.batch_size, 2 * self.num_workers)
         max_pending_writes = max(2 * self.batch_size, 2 * self.num_workers)
         max_held = 4 * self.batch_size  # images waiting in partly filled batches
-        # every thread's torch pool is set explicitly: torch.set_num_threads in one thread
-        # (Segmenter.apply's halves) is also the default of the threads that start later
-        pinned = dict(initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
-        loader = ThreadPoolExecutor(self.num_workers, thread_name_prefix="segment-read", **pinned)
-        # writers post-process one image per thread on one torch thread: a torch pool per
-        # writer only adds threads that spin next to the forward (the files are the same:
-        # postprocess is bit-identical across thread counts). Write stage alone on the
-        # bundled examples: 28-37 ms of CPU per image instead of 48-52
-        writer = ThreadPoolExecutor(self.num_workers, thread_name_prefix="segment-write",
-                                    initializer=torch.set_num_threads, initargs=(1,))
+        # every helper runs on one torch thread (set explicitly: torch.set_num_threads in
+        # one thread is also the default of the threads that start later), and on the CPU
+        # the forward gives way to the busy ones (CoreSharing). One torch thread per helper:
+        # a torch pool per writer only adds threads that spin next to the forward (write
+        # stage alone on the bundled examples: 28-37 ms of CPU per image instead of 48-52),
+        # and a helper that once ran a parallel operator keeps an OpenMP team, which
+        # throttles the forward's barriers. The files are the same at any thread count
+        threads = self.method_threads = torch.get_num_threads()
+        one = dict(initializer=torch.set_num_threads, initargs=(1,))
+        cores = CoreSharing(threads if self.input_device.type == "cpu" else 1)
+        loader = ThreadPoolExecutor(self.num_workers, thread_name_prefix="segment-read", **one)
+        writer = ThreadPoolExecutor(self.num_workers, thread_name_prefix="segment-write", **one)
         # one method thread: the method of batch i runs while the main thread extracts batch
-        # i + 1; one method at a time, so at most two records are held
-        methods = ThreadPoolExecutor(1, thread_name_prefix="segment-method", **pinned)
+        # i + 1; one method at a time, so at most two records are held. Segmenter.apply
+        # splits it over the run's thread count (two one-thread halves on the CPU)
+        methods = ThreadPoolExecutor(1, thread_name_prefix="segment-method", **one)
+        method_weight = min(2, threads)
         running: deque[Future] = deque(maxlen=1)
         writes: deque[tuple[_Item, Future]] = deque()  # appended by the method thread
         buckets: OrderedDict[tuple[int, ...], list[_Item]] = OrderedDict()
@@ -551,7 +632,7 @@ class SegmentRun:
                     fut: Future = Future()
                     fut.set_exception(_ModelFailed(got))
                 else:
-                    fut = writer.submit(self._write, it, *got)
+                    fut = writer.submit(cores.helper(self._write), it, *got)
                 writes.append((it, fut))
 
         def wait_method() -> None:
@@ -577,7 +658,7 @@ class SegmentRun:
             finally:
                 self.t.model_s += time.perf_counter() - t0
             wait_method()
-            running.append(methods.submit(method_then_write, items, [record]))
+            running.append(methods.submit(cores.helper(method_then_write, method_weight), items, [record]))
             del record  # the method thread holds the only reference
             drain(max_pending_writes)
 
@@ -585,7 +666,7 @@ class SegmentRun:
             pending: deque[Future] = deque()
             it = iter(todo)
             for item in it:
-                pending.append(loader.submit(self._load, item))
+                pending.append(loader.submit(cores.helper(self._load), item))
                 if len(pending) >= prefetch:
                     break
             while pending:
@@ -594,11 +675,11 @@ class SegmentRun:
                 self.t.wait_input_s += time.perf_counter() - t0
                 nxt = next(it, None)
                 if nxt is not None:
-                    pending.append(loader.submit(self._load, nxt))
+                    pending.append(loader.submit(cores.helper(self._load), nxt))
                 yield got
 
         try:
-            with logging_redirect_tqdm():
+            with logging_redirect_tqdm(), cores:
                 for item in loaded_items():
                     self.t.read_s += item.read_s
                     if item.error is not None:

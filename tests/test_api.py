@@ -186,9 +186,9 @@ def test_pipeline_computes_through_the_segmenter(tmp_path, monkeypatch):
         calls["extract"] += 1
         return ext(self, pixels)
 
-    def apply(self, record):
+    def apply(self, record, **kwargs):
         calls["apply"] += 1
-        return app(self, record)
+        return app(self, record, **kwargs)
 
     def postprocess(self, out, index, size):
         calls["post"] += 1

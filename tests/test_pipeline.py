@@ -454,9 +454,9 @@ def test_pipeline_benchmark_stages_run_as_the_pipeline_runs_them(tmp_path, monke
     applied, write_threads = [], []
     real_apply, real_write = api_mod.Segmenter.apply, outputs_mod.write_image
 
-    def apply(self, record):
+    def apply(self, record, **kwargs):
         applied.append(record.batch_size)
-        return real_apply(self, record)
+        return real_apply(self, record, **kwargs)
 
     def write(*a, **k):
         write_threads.append(torch.get_num_threads())
@@ -474,3 +474,120 @@ def test_pipeline_benchmark_stages_run_as_the_pipeline_runs_them(tmp_path, monke
     # warm-up 1, the stages 2 batches, one pipeline run 2 batches
     assert applied.count(2) >= 4
     assert write_threads == [1] * 4  # only the stage loop calls it here (the pipeline imports its own)
+
+
+def test_core_sharing_gives_the_forward_threads_to_busy_helpers():
+    """While helpers are busy, the forward thread's modules run on ``T - busy`` threads (at
+    least 1), on ``T`` again when they are idle; other threads are left alone; leaving the
+    context restores ``T`` and removes the hook."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from segment.pipeline import CoreSharing
+
+    seen: list[int] = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            seen.append(torch.get_num_threads())
+            return x
+
+    probe = Probe()
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    started = [threading.Event() for _ in range(3)]
+    release = threading.Event()
+
+    def work(i):
+        started[i].set()
+        assert release.wait(10)
+        return i
+
+    def elsewhere():  # another thread's modules: its own count, untouched
+        torch.set_num_threads(1)
+        probe(0)
+        return torch.get_num_threads()
+
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            with CoreSharing(3) as cores:
+                probe(0)  # nobody busy: 3
+                one = pool.submit(cores.helper(work), 0)
+                assert started[0].wait(10)
+                probe(0)  # one busy helper: 2
+                two = pool.submit(cores.helper(work, weight=2), 1)
+                assert started[1].wait(10)
+                probe(0)  # three busy: 1 (never 0)
+                assert pool.submit(elsewhere).result() == 1
+                release.set()
+                assert one.result() == 0 and two.result() == 1
+                assert cores.busy == 0
+                probe(0)  # idle again: 3
+                release.clear()
+                late = pool.submit(cores.helper(work), 2)
+                assert started[2].wait(10)
+                probe(0)  # 2 when the context ends
+                assert cores.switches == 4
+            assert torch.get_num_threads() == 3  # restored on exit
+            probe(0)  # the hook is gone: nothing changes though a helper is still busy
+            release.set()
+            late.result()
+        assert seen == [3, 2, 1, 1, 3, 2, 3]
+        with CoreSharing(1) as off:  # one thread: helpers are not even wrapped
+            assert off.helper(work) is work
+            probe(0)
+        assert seen[-1] == 3
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_vit_record_is_the_same_at_one_and_two_threads():
+    """CoreSharing switches the forward's thread count between operators: the record (of
+    DINOv2 ViT-S/14's real shapes, random weights) must not depend on it."""
+    from segment.models.vit import TimmViT
+
+    before = torch.get_num_threads()
+    model = TimmViT(name="dinov2_vits14", arch="vit_small_patch14_dinov2.lvd142m", pretrained=False,
+                    image_size=224, device="cpu")
+    x = model.collate([_img(224, 224, 7), _img(200, 260, 8)])
+    cap = Capture(layers=(-1,), keys=True)
+    records = {}
+    try:
+        for n in (2, 1):
+            torch.set_num_threads(n)
+            records[n] = model.extract(x, cap)
+    finally:
+        torch.set_num_threads(before)
+    for layer, a in records[2].attn.items():
+        assert torch.equal(a, records[1].attn[layer])
+        assert torch.equal(records[2].keys[layer], records[1].keys[layer])
+
+
+def test_run_helpers_use_one_torch_thread_and_the_method_splits_over_the_run(tmp_path, monkeypatch):
+    """Reading and the method run on one torch thread each (no OpenMP team outside the
+    forward), and Segmenter.apply is told the run's thread count, so the method still
+    runs as two one-thread halves."""
+    import segment.api as api_mod
+
+    seen = {"preprocess": [], "apply": []}
+    real_pre, real_apply = api_mod.Segmenter.preprocess, api_mod.Segmenter.apply
+
+    def preprocess(self, image):
+        seen["preprocess"].append(torch.get_num_threads())
+        return real_pre(self, image)
+
+    def apply(self, record, **kwargs):
+        seen["apply"].append((torch.get_num_threads(), kwargs.get("threads")))
+        return real_apply(self, record, **kwargs)
+
+    monkeypatch.setattr(api_mod.Segmenter, "preprocess", preprocess)
+    monkeypatch.setattr(api_mod.Segmenter, "apply", apply)
+    make_folder(tmp_path / "in", bad=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert run_segment(compose_cfg(tmp_path / "in", tmp_path / "out")) == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen["preprocess"] == [1] * 5
+    assert seen["apply"] and all(s == (1, 2) for s in seen["apply"])
