@@ -12,6 +12,9 @@ Flow (:func:`run_segment`)::
         ──> writer threads: Segmenter.postprocess at the original size, files, record
     ──> annotations.json, index.html, run.json from the records of every image
 
+Helper threads run on one torch thread each; on the CPU the forward gives its threads to
+the busy ones (:class:`CoreSharing`).
+
 The per-batch computation is :class:`segment.api.Segmenter`'s, the object ``segment.load``
 returns, so the command's masks and the API's are the same computation.
 
