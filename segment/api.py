@@ -268,10 +268,10 @@ class Batch:
     record: AttentionRecord
 
 
-def _one_thread(method: Any, record: AttentionRecord) -> MethodOutput:
-    """``method(record)`` on one torch thread in this thread (its thread count restored after)."""
+def _on_threads(method: Any, record: AttentionRecord, threads: int = 1) -> MethodOutput:
+    """``method(record)`` on ``threads`` torch threads in this thread (its count restored after)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
         with torch.no_grad():
             return method(record)
@@ -354,7 +354,8 @@ class Segmenter:
         """The method on a batch's attention record; its output on the CPU.
 
         On the CPU with several torch threads (``threads``, default this thread's torch
-        thread count), the batch runs as two halves of its images
+        thread count; otherwise the method runs whole on ``threads``), the batch runs as
+        two halves of its images
         at once (this thread and a helper), each on one torch thread: a method's many small
         operations split badly over threads (about 1.4 of 2 cores busy), two halves keep
         both busy. Methods compute per image, so the masks and labels are those of the
@@ -374,13 +375,12 @@ class Segmenter:
     def _method(self, record: AttentionRecord, threads: int) -> MethodOutput:
         b = record.batch_size
         on_cpu = next(iter(record.attn.values())).device.type == "cpu"
-        if not on_cpu or threads < 2 or b < 2 or record.extras:
-            with torch.no_grad():
-                return self.method(record)
+        if not on_cpu or threads < 2 or b < 2 or record.extras:  # whole, on ``threads``
+            return _on_threads(self.method, record, threads)
         half = (b + 1) // 2
         with ThreadPoolExecutor(1, thread_name_prefix="segment-method-half") as helper:
-            second = helper.submit(_one_thread, self.method, record.images(half, b))
-            first = _one_thread(self.method, record.images(0, half))
+            second = helper.submit(_on_threads, self.method, record.images(half, b))
+            first = _on_threads(self.method, record.images(0, half))
             return concat_outputs([first, second.result()])
 
     def postprocess(self, out: MethodOutput, index: int, size: tuple[int, int]) -> Segmentation:

@@ -238,9 +238,19 @@ def test_apply_runs_a_cpu_batch_as_two_halves_with_the_same_results(method, seed
         monkeypatch.setattr(seg, "method", spy)
         split = seg.apply(record)
         assert torch.get_num_threads() == 2
+        # a thread on one torch thread (the command's method thread) told the run's count:
+        # the same halves; a one-image batch runs whole on that count, as the API's does
+        torch.set_num_threads(1)
+        seen_told = len(seen)
+        seg.apply(record, threads=2)
+        seg.apply(record.images(0, 1), threads=2)
+        assert torch.get_num_threads() == 1
+        told = sorted(seen[seen_told:])
+        del seen[seen_told:]
     finally:
         torch.set_num_threads(before)
     assert sorted(seen) == [(2, 1), (3, 1)]
+    assert told == [(1, 2), (2, 1), (3, 1)]
     # a quarter of one 8-bit level of the heatmap PNG (1/255): the written files agree
     torch.testing.assert_close(split.heatmap, whole.heatmap, atol=1e-3, rtol=0)
     if whole.labels is not None:
