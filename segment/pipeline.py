@@ -117,7 +117,7 @@ class CoreSharing:
 
     The operators of the forward give the same values at any thread count on the machines
     this was measured on (``tests/test_pipeline.py`` checks a ViT's record at 1 and 2
-    threads; a 100-image run wrote the same bytes as before); a BLAS whose reductions
+    threads; runs on pascal-dev at 224 px and ecssd-dev at 448 px wrote the same bytes as before); a BLAS whose reductions
     depend on the thread count would make low bits depend on timing.
 
     Args:
