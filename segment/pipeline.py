@@ -117,8 +117,9 @@ class CoreSharing:
 
     The operators of the forward give the same values at any thread count on the machines
     this was measured on (``tests/test_pipeline.py`` checks a ViT's record at 1 and 2
-    threads; runs on pascal-dev at 224 px and ecssd-dev at 448 px wrote the same bytes as before); a BLAS whose reductions
-    depend on the thread count would make low bits depend on timing.
+    threads; runs on pascal-dev at 224 px and ecssd-dev at 448 px wrote the same bytes as
+    before); a BLAS whose reductions depend on the thread count would make low bits depend
+    on timing.
 
     Args:
         threads: ``T``, the forward's torch threads (``< 2``: nothing changes).
