@@ -605,7 +605,6 @@ class SegmentRun:
         # i + 1; one method at a time, so at most two records are held. Segmenter.apply
         # splits it over the run's thread count (two one-thread halves on the CPU)
         methods = ThreadPoolExecutor(1, thread_name_prefix="segment-method", **one)
-        method_weight = min(2, threads)
         running: deque[Future] = deque(maxlen=1)
         writes: deque[tuple[_Item, Future]] = deque()  # appended by the method thread
         buckets: OrderedDict[tuple[int, ...], list[_Item]] = OrderedDict()
@@ -662,7 +661,8 @@ class SegmentRun:
             finally:
                 self.t.model_s += time.perf_counter() - t0
             wait_method()
-            running.append(methods.submit(cores.helper(method_then_write, method_weight), items, [record]))
+            # the method counts as two busy helpers (its two one-thread halves)
+            running.append(methods.submit(cores.helper(method_then_write, 2), items, [record]))
             del record  # the method thread holds the only reference
             drain(max_pending_writes)
 
