@@ -40,7 +40,7 @@ from segment.io import ImageReadError, read_image, to_rgb
 from segment.masks import MethodOutput, concat_outputs, label_upsampling_setting
 from segment.outputs import RenderOptions, Segmentation, overlay, postprocess
 from segment.record import AttentionRecord
-from segment.utils import unwrap_instantiation
+from segment.utils import torch_threads, unwrap_instantiation
 
 __all__ = ["Batch", "ImageReadError", "Result", "Segmenter", "compose_config", "config_names", "load", "show",
            "suggest", "to_image"]
@@ -270,13 +270,8 @@ class Batch:
 
 def _on_threads(method: Any, record: AttentionRecord, threads: int = 1) -> MethodOutput:
     """``method(record)`` on ``threads`` torch threads in this thread (its count restored after)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.no_grad():
-            return method(record)
-    finally:
-        torch.set_num_threads(before)
+    with torch_threads(threads), torch.no_grad():
+        return method(record)
 
 
 class Segmenter:

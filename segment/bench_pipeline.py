@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from segment.utils import atomic_write_json
+from segment.utils import atomic_write_json, torch_threads
 
 _DEFAULT_CKPT = "weights/dinov2_vits14.safetensors"
 
@@ -135,8 +135,9 @@ def _stage_costs(backbone: Any, method: Any, files: list, batches: list, n: int,
 
     Less sensitive to other processes than wall time: ``bare / (read + model + write)`` is
     the ratio the pipeline would reach with no overlap at all (a lower bound). Each stage
-    runs as the pipeline runs it: the method through :meth:`Segmenter.apply` (two halves of
-    a batch at once on the CPU), post-processing and writing on one torch thread.
+    runs as the pipeline runs it: reading and preprocessing on one torch thread, the method
+    through :meth:`Segmenter.apply` (two halves of a batch at once on the CPU),
+    post-processing and writing on one torch thread.
     """
     from segment.api import Segmenter
     from segment.io import read_image
@@ -147,9 +148,10 @@ def _stage_costs(backbone: Any, method: Any, files: list, batches: list, n: int,
     opts = RenderOptions(**OmegaConf.to_container(cfg.render, resolve=True))
     device = torch.device(getattr(backbone, "device", "cpu"))
     c0 = time.process_time()
-    loaded = [read_image(f.path) for f in files]
-    for im in loaded:
-        backbone.preprocess(im.image)
+    with torch_threads(1):  # as the pipeline's reader threads
+        loaded = [read_image(f.path) for f in files]
+        for im in loaded:
+            backbone.preprocess(im.image)
     read = time.process_time() - c0
     c0 = time.process_time()
     for b in batches:
@@ -168,19 +170,15 @@ def _stage_costs(backbone: Any, method: Any, files: list, batches: list, n: int,
     model = time.process_time() - c0
     fp = config_fingerprint(cfg)
     labels = label_upsampling_setting(cfg.get("label_upsampling"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the pipeline's writer threads
-    try:
-        c0 = time.process_time()
-        with single_threaded_rendering():  # as the pipeline renders
-            for k, (f, im) in enumerate(zip(files, loaded)):  # heatmaps of other images: same cost
-                o, i = outs[k % len(outs)]
-                seg = postprocess(o, i, im.size, labels)
-                write_image(out, f.name, np.asarray(im.image), seg, opts, source=f.rel,
-                            source_path=str(f.path), source_bytes=0, source_mtime_ns=0, fingerprint=fp)
-        write = time.process_time() - c0
-    finally:
-        torch.set_num_threads(threads)
+    c0 = time.process_time()
+    # as the pipeline's writer threads render: one torch thread, OpenCV's pool off
+    with torch_threads(1), single_threaded_rendering():
+        for k, (f, im) in enumerate(zip(files, loaded)):  # heatmaps of other images: same cost
+            o, i = outs[k % len(outs)]
+            seg = postprocess(o, i, im.size, labels)
+            write_image(out, f.name, np.asarray(im.image), seg, opts, source=f.rel,
+                        source_path=str(f.path), source_bytes=0, source_mtime_ns=0, fingerprint=fp)
+    write = time.process_time() - c0
     ms = lambda t: round(1000 * t / n, 2)  # noqa: E731
     return {"read_preprocess": ms(read), "bare_forward": ms(bare), "extract_method": ms(model),
             "postprocess_write": ms(write)}

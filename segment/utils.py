@@ -1,4 +1,4 @@
-"""Small shared helpers: device selection and atomic file writes."""
+"""Small shared helpers: device selection, torch threads and atomic file writes."""
 
 from __future__ import annotations
 
@@ -46,6 +46,17 @@ def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
 _TMP_SEQ = itertools.count()
 _TMP_TAG = secrets.token_hex(4)
 _TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """This thread's torch thread count set to ``n`` for the duration (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _create_beside(path: str) -> tuple[int, str]:

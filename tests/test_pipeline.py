@@ -445,14 +445,20 @@ def test_pipeline_benchmark_idle_share_from_proc_stat(tmp_path):
 
 
 def test_pipeline_benchmark_stages_run_as_the_pipeline_runs_them(tmp_path, monkeypatch):
-    """The "stages alone" costs: the method through Segmenter.apply (the pipeline's path),
-    post-processing and writing on one torch thread (as its writer threads)."""
+    """The "stages alone" costs: reading on one torch thread (as the pipeline's reader
+    threads), the method through Segmenter.apply (the pipeline's path), post-processing and
+    writing on one torch thread (as its writer threads)."""
     import segment.api as api_mod
+    import segment.io as io_mod
     import segment.outputs as outputs_mod
     from segment.bench_pipeline import main
 
-    applied, write_threads = [], []
-    real_apply, real_write = api_mod.Segmenter.apply, outputs_mod.write_image
+    applied, write_threads, read_threads = [], [], []
+    real_apply, real_write, real_read = api_mod.Segmenter.apply, outputs_mod.write_image, io_mod.read_image
+
+    def read(*a, **k):
+        read_threads.append(torch.get_num_threads())
+        return real_read(*a, **k)
 
     def apply(self, record, **kwargs):
         applied.append(record.batch_size)
@@ -464,6 +470,7 @@ def test_pipeline_benchmark_stages_run_as_the_pipeline_runs_them(tmp_path, monke
 
     monkeypatch.setattr(api_mod.Segmenter, "apply", apply)
     monkeypatch.setattr(outputs_mod, "write_image", write)
+    monkeypatch.setattr(io_mod, "read_image", read)
     before = torch.get_num_threads()
     try:
         assert main(["--model", "vit_tiny_random", "--images", "4", "--repeats", "1", "--batch-size", "2",
@@ -474,6 +481,8 @@ def test_pipeline_benchmark_stages_run_as_the_pipeline_runs_them(tmp_path, monke
     # warm-up 1, the stages 2 batches, one pipeline run 2 batches
     assert applied.count(2) >= 4
     assert write_threads == [1] * 4  # only the stage loop calls it here (the pipeline imports its own)
+    # the benchmark's own preprocessing of its batches (2 threads), then the read stage (1)
+    assert read_threads == [2] * 4 + [1] * 4
 
 
 def test_core_sharing_gives_the_forward_threads_to_busy_helpers():
