@@ -209,7 +209,8 @@ def to_image(x: ImageLike, *, max_pixels: int | None = None) -> Image.Image:
     """One input -> 8-bit RGB PIL image, as the command reads files.
 
     Accepts a path (read like the command reads it: EXIF orientation, any mode to RGB), a
-    PIL image (any mode; converted like a file), an ``(H, W, 3)`` uint8 array, or a
+    PIL image (any mode; converted like a file), a uint8 array ``(H, W, 3)`` (RGB), ``(H, W)``
+    (grey) or ``(H, W, 4)`` (RGBA, composited on white as a transparent file is), or a
     ``(3, H, W)`` float tensor in ``[0, 1]`` (rounded to 8 bit, as a saved image would be).
 
     Raises:
@@ -221,9 +222,12 @@ def to_image(x: ImageLike, *, max_pixels: int | None = None) -> Image.Image:
     if isinstance(x, Image.Image):
         return to_rgb(x)
     if isinstance(x, np.ndarray):
-        if x.ndim != 3 or x.shape[2] != 3 or x.dtype != np.uint8:
-            raise ValueError(f"a numpy image must be (H, W, 3) uint8 RGB, got {x.shape} {x.dtype}")
-        return Image.fromarray(np.ascontiguousarray(x), mode="RGB")
+        mode = {(2, None): "L", (3, 3): "RGB", (3, 4): "RGBA"}.get((x.ndim, x.shape[2] if x.ndim == 3 else None))
+        if mode is None or x.dtype != np.uint8:
+            raise ValueError(f"a numpy image must be uint8 (H, W, 3) RGB, (H, W) grey or (H, W, 4) RGBA, "
+                             f"got {x.shape} {x.dtype}")
+        im = Image.fromarray(np.ascontiguousarray(x), mode=mode)
+        return im if mode == "RGB" else to_rgb(im)
     if isinstance(x, Tensor):
         if x.dim() != 3 or x.shape[0] != 3 or not x.is_floating_point():
             raise ValueError(f"a tensor image must be (3, H, W) float in [0, 1], got "
@@ -234,8 +238,8 @@ def to_image(x: ImageLike, *, max_pixels: int | None = None) -> Image.Image:
                              f"[{t.min().item():.3g}, {t.max().item():.3g}]")
         a = (t * 255.0).round().to(torch.uint8).permute(1, 2, 0).contiguous().numpy()
         return Image.fromarray(a, mode="RGB")
-    raise ValueError(f"cannot segment a {type(x).__name__}: pass a path, a PIL image, an (H, W, 3) "
-                     "uint8 array, a (3, H, W) float tensor in [0, 1], or a list of these")
+    raise ValueError(f"cannot segment a {type(x).__name__}: pass a path, a PIL image, a uint8 array "
+                     "(H, W, 3), (H, W) or (H, W, 4), a (3, H, W) float tensor in [0, 1], or a list of these")
 
 
 def _record_item(record: AttentionRecord, i: int) -> AttentionRecord:
@@ -394,8 +398,9 @@ class Segmenter:
         a folder, so results equal the command's files.
 
         Args:
-            images: a path, PIL image, ``(H, W, 3)`` uint8 array, ``(3, H, W)`` float tensor
-                in ``[0, 1]``, or a list/tuple of these.
+            images: a path, PIL image, uint8 array (``(H, W, 3)``, ``(H, W)`` or
+                ``(H, W, 4)``), ``(3, H, W)`` float tensor in ``[0, 1]`` (:func:`to_image`),
+                or a list/tuple of these.
             keep_record: attach each image's attention record to its result.
         """
         single = not isinstance(images, (list, tuple))

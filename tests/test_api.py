@@ -139,8 +139,10 @@ def test_every_input_form_gives_the_same_result(tmp_path):
 
 def test_bad_inputs_say_what_came(tmp_path):
     seg = segment.load("vit_tiny_random", "cls_attention", device="cpu", image_size=56)
-    with pytest.raises(ValueError, match=r"\(H, W, 3\) uint8"):
-        seg(np.zeros((10, 10), np.uint8))
+    for bad in (np.zeros((10, 10), np.float32), np.zeros((10, 10, 2), np.uint8), np.zeros((2, 10, 10, 3), np.uint8),
+                np.zeros((10, 10, 3), np.int64)):
+        with pytest.raises(ValueError, match=r"a numpy image must be uint8 \(H, W, 3\) RGB, \(H, W\) grey"):
+            seg(bad)
     with pytest.raises(ValueError, match=r"values in \[0, 1\]"):
         seg(torch.full((3, 8, 8), 2.0))
     with pytest.raises(ValueError, match=r"\(3, H, W\) float"):
@@ -152,6 +154,25 @@ def test_bad_inputs_say_what_came(tmp_path):
         seg(tmp_path / "bad.png")
     r = seg(_img(30, 20, 0))
     assert r.labels is None and r.foreground is None and r.mask.shape == (30, 20)
+
+
+def test_grey_and_rgba_arrays_are_read_like_files(tmp_path):
+    """A (H, W) uint8 array is the grey image, a (H, W, 4) one RGBA composited on white: the
+    same pixels as the PNG files of those arrays, read by the command's reader."""
+    rng = np.random.default_rng(0)
+    grey = rng.integers(0, 256, (20, 30), dtype=np.uint8)
+    rgba = rng.integers(0, 256, (20, 30, 4), dtype=np.uint8)
+    for a, name in ((grey, "grey.png"), (rgba, "rgba.png")):
+        Image.fromarray(a).save(tmp_path / name)
+        got = to_image(a)
+        assert got.mode == "RGB" and got.size == (30, 20)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(read_image(tmp_path / name).image))
+    np.testing.assert_array_equal(np.asarray(to_image(grey))[..., 1], grey)
+    opaque = rgba.copy()
+    opaque[..., 3] = 255
+    np.testing.assert_array_equal(np.asarray(to_image(opaque)), rgba[..., :3])
+    seg = segment.load("vit_tiny_random", device="cpu", image_size=56)
+    np.testing.assert_array_equal(seg(grey).mask, seg(np.repeat(grey[..., None], 3, 2)).mask)
 
 
 def test_show_draws_the_overlay():
