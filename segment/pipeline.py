@@ -605,6 +605,9 @@ class SegmentRun:
         # i + 1; one method at a time, so at most two records are held. Segmenter.apply
         # splits it over the run's thread count (two one-thread halves on the CPU)
         methods = ThreadPoolExecutor(1, thread_name_prefix="segment-method", **one)
+        # the stages as CoreSharing counts them: readers and writers one busy helper each,
+        # the method two (its two one-thread halves)
+        load, write = cores.helper(self._load), cores.helper(self._write)
         running: deque[Future] = deque(maxlen=1)
         writes: deque[tuple[_Item, Future]] = deque()  # appended by the method thread
         buckets: OrderedDict[tuple[int, ...], list[_Item]] = OrderedDict()
@@ -628,15 +631,17 @@ class SegmentRun:
             while len(writes) > limit:
                 finish_write(*writes.popleft())
 
-        def method_then_write(items: list[_Item], held: list[AttentionRecord]) -> None:
+        def apply_then_write(items: list[_Item], held: list[AttentionRecord]) -> None:
             for it, got in zip(items, self._apply(items, held)):
                 it.pixels = None
                 if isinstance(got, str):  # a failure, reported like the writes (main thread)
                     fut: Future = Future()
                     fut.set_exception(_ModelFailed(got))
                 else:
-                    fut = writer.submit(cores.helper(self._write), it, *got)
+                    fut = writer.submit(write, it, *got)
                 writes.append((it, fut))
+
+        method_then_write = cores.helper(apply_then_write, 2)
 
         def wait_method() -> None:
             """Until the running method is done; re-raises what ended it (Ctrl-C in it). It
@@ -661,8 +666,7 @@ class SegmentRun:
             finally:
                 self.t.model_s += time.perf_counter() - t0
             wait_method()
-            # the method counts as two busy helpers (its two one-thread halves)
-            running.append(methods.submit(cores.helper(method_then_write, 2), items, [record]))
+            running.append(methods.submit(method_then_write, items, [record]))
             del record  # the method thread holds the only reference
             drain(max_pending_writes)
 
@@ -670,7 +674,7 @@ class SegmentRun:
             pending: deque[Future] = deque()
             it = iter(todo)
             for item in it:
-                pending.append(loader.submit(cores.helper(self._load), item))
+                pending.append(loader.submit(load, item))
                 if len(pending) >= prefetch:
                     break
             while pending:
@@ -679,7 +683,7 @@ class SegmentRun:
                 self.t.wait_input_s += time.perf_counter() - t0
                 nxt = next(it, None)
                 if nxt is not None:
-                    pending.append(loader.submit(cores.helper(self._load), nxt))
+                    pending.append(loader.submit(load, nxt))
                 yield got
 
         try:
