@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -130,6 +131,7 @@ class ConceptAttention(Method):
     layers: Sequence[int] | int | None = (14, 15, 16, 17)
     heads: str = "mean"
     average_layers: bool = True
+    _averages_layers: ClassVar[bool] = False  # always true here, checked below
     softmax: bool = True
     concept: int = 0
     normalize_concepts: bool = False

@@ -68,9 +68,9 @@ from __future__ import annotations
 import abc
 import math
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -226,6 +226,32 @@ def _as_compute(x: Tensor) -> Tensor:
     return x.to(markov.compute_dtype(x.dtype))
 
 
+def refuse_inactive(method: Any, rules: Iterable[tuple[str, bool, str]]) -> None:
+    """Refuse a knob set off its default where the method's other settings give it nothing
+    to do (every knob changes the output or is refused: ``seed_stride=4`` with ``seeds:
+    auto`` would silently change nothing).
+
+    Args:
+        method: a dataclass method; a knob's default is its dataclass field default (the
+            method configs keep these knobs at the same values, ``tests/test_knobs.py``).
+        rules: ``(knob, acts, where)``: whether the knob acts with the current settings, and
+            the settings with which it does, for the error.
+
+    Raises:
+        ValueError: naming the method, the knob, its value, the settings it needs and its
+            default.
+    """
+    defaults = {f.name: f.default for f in fields(method)}
+    for knob, acts, where in rules:
+        value = getattr(method, knob)
+        if not acts and value != defaults[knob]:
+            raise ValueError(
+                f"{method.name}: {knob}={value!r} has no effect with these settings: it acts"
+                f" only with {where}; set that as well, or leave {knob} at its default"
+                f" {defaults[knob]!r}"
+            )
+
+
 # --------------------------------------------------------------------------------------
 # the interface
 # --------------------------------------------------------------------------------------
@@ -247,6 +273,8 @@ class Method(abc.ABC):
     layers: Sequence[int] | int | None = (-1,)
     heads: str = "mean"
     average_layers: bool = False
+    # False where a subclass refuses ``average_layers`` outright, with its own reason
+    _averages_layers: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.layers is not None:
@@ -257,6 +285,13 @@ class Method(abc.ABC):
         if self.heads not in _HEADS:
             raise ValueError(f"{self.name}: heads must be one of {_HEADS}, got {self.heads!r}")
         self.average_layers = bool(self.average_layers)
+        if self.average_layers and self._averages_layers and self.layers is not None \
+                and len(set(self.layers)) == 1:
+            raise ValueError(
+                f"{self.name}: average_layers=true has no effect with one layer (layers="
+                f"{list(self.layers)}): it averages several layers' attention before the"
+                " method; select several layers (e.g. layers=[-2,-1]) or leave it false"
+            )
 
     # what the backbone must capture -----------------------------------------------------
 
@@ -438,6 +473,7 @@ class ClsKeyChain(ClsAttention):
     """
 
     name: str = "cls_keychain"
+    _averages_layers: ClassVar[bool] = False  # refused below
     key_temperature: float = 0.05
 
     def __post_init__(self) -> None:
@@ -469,6 +505,7 @@ class Rollout(Method):
     """
 
     name: str = "rollout"
+    _averages_layers: ClassVar[bool] = False  # refused below
     layers: Sequence[int] | int | None = None
     residual: float = 0.5
 
@@ -726,6 +763,7 @@ class RegionGrow(Method):
     """
 
     name: str = "regions"
+    _averages_layers: ClassVar[bool] = False  # refused below
     chain: str = "mix"
     key_temperature: float = 0.05
     key_fuse: str = "similarity"
@@ -793,6 +831,20 @@ class RegionGrow(Method):
             raise ValueError(f"{self.name}: score must be one of {_SCORES}, got {self.score!r}")
         if self.heat not in _HEATS:
             raise ValueError(f"{self.name}: heat must be one of {_HEATS}, got {self.heat!r}")
+        refuse_inactive(self, [
+            ("key_weight", self.chain == "mix", "chain=mix"),
+            ("key_fuse", self._needs_keys, "chain=keys or chain=mix"),
+            ("key_temperature", self._needs_keys or self.score == "keychain",
+             "chain=keys, chain=mix or score=keychain"),
+            ("max_seeds", self.seeds == "auto", "seeds=auto"),
+            ("seed_stride", self.seeds == "grid", "seeds=grid"),
+            ("num_seeds", self.seeds == "tokenrank", "seeds=tokenrank"),
+            ("seed_radius", self.seeds == "tokenrank", "seeds=tokenrank"),
+            *((knob, int(self.refine_steps) > 0, "refine_steps >= 1 (the pixel chain)")
+              for knob in ("refine_radius", "refine_dilation", "refine_scale", "sigma_space",
+                           "sigma_color")),
+            ("min_area", bool(self.connectivity), "connectivity=true"),
+        ])
         self._score = ClsAttention(name=f"{self.name}.score", layers=self.score_layers,
                                    heads="mean")
 
@@ -1069,6 +1121,7 @@ class KMeansKeys(Method):
     """
 
     name: str = "kmeans"
+    _averages_layers: ClassVar[bool] = False  # refused below
     k: int = 8
     max_iter: int = 20
     n_init: int = 1

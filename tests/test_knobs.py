@@ -11,9 +11,14 @@ value changes the output (heatmap, labels or foreground) or what the method asks
 to capture (``Capture``: e.g. ``average_layers`` of CLS attention only saves memory), or
 when every value is refused; a value tried must either run or be refused with a
 ``ValueError`` (any other exception fails), and a bad string must be refused at
-construction with an error that names the knob and lists the accepted values. Knobs that
-matter only together with another one (``seed_stride`` needs ``seeds: grid``) are retried
-with each other knob moved off its default.
+construction with an error that names the knob and lists the accepted values.
+
+Knobs that matter only together with another one (``seed_stride`` needs ``seeds: grid``)
+are retried with each other knob moved off its default. Where such a knob cannot act it must
+be refused, not ignored: with the real DINOv2 weights (whose attention, unlike the tiny
+models', leaves no knob idle by accident), every knob must change the output or be refused
+with the other knobs at their defaults and with each switch (a string or boolean knob) moved
+off its default, one at a time (``num_seeds`` with ``seeds: grid`` is refused).
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class Backbones:
     """The tiny backbones, built on first use; one record per distinct capture."""
 
     def __init__(self) -> None:
+        self.weights: Path | None = None  # the real DINOv2 checkpoint (kind "real")
         self.models: dict[str, Any] = {}
         self.pixels: dict[str, torch.Tensor] = {}
         self.records: dict[tuple[str, Capture], Any] = {}
@@ -72,7 +78,8 @@ class Backbones:
             from hydra.utils import instantiate
 
             over = {"vit": ["model=vit_tiny_random", "model.image_size=112"],
-                    "flux": ["model=flux_tiny"]}[kind]
+                    "flux": ["model=flux_tiny"],
+                    "real": ["model=dinov2_vits14", f"model.checkpoint='{self.weights}'"]}[kind]
             with initialize_config_module("segment.configs", version_base="1.3"):
                 cfg = compose("segment", overrides=[*over, "device=cpu"])
             torch.manual_seed(0)
@@ -82,7 +89,9 @@ class Backbones:
                     for blk in model.model.blocks:
                         blk.attn.qkv.weight.mul_(8.0)
             self.models[kind] = model
-            self.pixels[kind] = model.collate(blocky_images())
+            self.pixels[kind] = model.collate(
+                [Image.open(REPO / "datasets" / "examples" / "chelsea.png").convert("RGB")]
+                if kind == "real" else blocky_images())
         return self.models[kind]
 
     def record(self, kind: str, capture: Capture) -> Any:
@@ -218,6 +227,27 @@ def _stems(knob: str) -> set[str]:
     return {part[:4] for part in knob.split("_") if len(part) >= 3}
 
 
+def _dead_knobs(cls, values, knobs, cands, bb, kind, base: Outcome, skip: str | None = None
+                ) -> dict[str, list[str]]:
+    """Knobs some of whose values run but change neither the output nor the capture, while
+    none changes them: with ``values`` as the other settings, they are silently ignored."""
+    dead: dict[str, list[str]] = {}
+    for knob in knobs:
+        if knob == skip:
+            continue
+        alive, notes = _changes(cls, values, knob, cands[knob], bb, kind, base)
+        if not alive and not all("refused" in n for n in notes):  # refused outright: fine
+            dead[knob] = notes
+    return dead
+
+
+def _switch_contexts(values: dict[str, Any], knobs: list[str], cands: dict[str, list[Any]]
+                     ) -> list[tuple[str, Any]]:
+    """``(knob, value)`` moves off the defaults: switches (string, boolean) first."""
+    out = [(k, c) for k in knobs for c in cands[k] if isinstance(values[k], (str, bool))]
+    return out + [(k, c) for k in knobs for c in cands[k] if not isinstance(values[k], (str, bool))]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", METHODS)
 def test_every_knob_changes_the_output_or_is_refused(name, backbones):
@@ -233,14 +263,8 @@ def test_every_knob_changes_the_output_or_is_refused(name, backbones):
     assert base is not None, f"{name}: the default config runs on no tiny backbone: {errors}"
 
     cands = {k: candidates(cls, values, k) for k in knobs}
-    dead: dict[str, list[str]] = {}
-    for knob in knobs:
-        alive, notes = _changes(cls, values, knob, cands[knob], backbones, kind, base)
-        if not alive and not all("refused" in n for n in notes):  # refused outright: fine
-            dead[knob] = notes
-    # a knob may matter only when another one leaves its default: switches first
-    contexts = [(k, c) for k in knobs for c in cands[k] if isinstance(values[k], (str, bool))]
-    contexts += [(k, c) for k in knobs for c in cands[k] if not isinstance(values[k], (str, bool))]
+    dead = _dead_knobs(cls, values, knobs, cands, backbones, kind, base)
+    contexts = _switch_contexts(values, knobs, cands)
     for knob in list(dead):
         # related knobs first (seed_stride, num_seeds -> seeds): a cheap, generic ordering
         ordered = sorted(contexts, key=lambda kv: not _stems(kv[0]) & _stems(knob))
@@ -255,6 +279,80 @@ def test_every_knob_changes_the_output_or_is_refused(name, backbones):
                 del dead[knob]
                 break
     assert not dead, f"{name}: knobs that change neither the output nor the capture: {dead}"
+
+
+VIT_METHODS = [m for m in METHODS if m != "concept_attention"]  # (a DiT's: text prompts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", VIT_METHODS)
+def test_no_knob_is_ignored_where_it_cannot_act(name, backbones, dinov2_weights):
+    """Real attention (DINOv2 ViT-S/14, a bundled photo, 224 px): with the other knobs at their
+    defaults, and with each switch moved off its default, every knob changes the output or
+    the capture with some value, or every value is refused (``seed_stride=4`` without
+    ``seeds: grid`` is refused, not ignored)."""
+    backbones.weights = dinov2_weights
+    cls, values, knobs = method_knobs(name)
+    base = attempt(cls, values, backbones, "real")
+    assert isinstance(base, Outcome), base
+    cands = {k: candidates(cls, values, k) for k in knobs}
+    dead = {"defaults": _dead_knobs(cls, values, knobs, cands, backbones, "real", base)}
+    for switch in knobs:
+        if not isinstance(values[switch], (str, bool)):
+            continue
+        for val in cands[switch]:
+            ctx = {**values, switch: val}
+            ctx_base = attempt(cls, ctx, backbones, "real")
+            if isinstance(ctx_base, str):
+                continue
+            ctx_cands = {k: [c for c in cands[k] if c != ctx[k]] for k in knobs}
+            dead[f"{switch}={val!r}"] = _dead_knobs(cls, ctx, knobs, ctx_cands, backbones, "real",
+                                                    ctx_base, skip=switch)
+    dead = {ctx: d for ctx, d in dead.items() if d}
+    assert not dead, (
+        f"{name}: knobs ignored (neither output nor capture changes, not refused) with the"
+        f" other knobs at their defaults or one switch moved; refuse them there: {dead}"
+    )
+
+
+def test_conditional_knobs_keep_their_config_defaults():
+    """A knob that acts only with another setting is refused when it is off its dataclass
+    default without that setting; the config must keep it at that default, or the shipped
+    config itself would be refused."""
+    from segment.methods import RegionGrow
+
+    cls, values, _ = method_knobs("regions")
+    assert cls is RegionGrow
+    for f in dataclasses.fields(RegionGrow):
+        if f.name in ("key_weight", "key_fuse", "key_temperature", "max_seeds", "seed_stride",
+                      "num_seeds", "seed_radius", "refine_radius", "refine_dilation",
+                      "refine_scale", "sigma_space", "sigma_color", "min_area"):
+            assert values[f.name] == f.default, f.name
+
+
+def test_a_knob_without_its_setting_is_refused_by_name():
+    """The user's view: ``seed_stride`` with ``seeds: auto`` is refused with a message that
+    names the knob, the setting it needs and its default; with that setting it runs."""
+    from segment.methods import Bounce, ClsAttention, RegionGrow
+
+    with pytest.raises(ValueError, match=r"seed_stride=4 .* only with seeds=grid.* default 2"):
+        RegionGrow(seed_stride=4)
+    RegionGrow(seeds="grid", seed_stride=4)
+    with pytest.raises(ValueError, match=r"num_seeds=32 .* only with seeds=tokenrank"):
+        RegionGrow(seeds="grid", num_seeds=32)
+    with pytest.raises(ValueError, match=r"sigma_color=0.2 .* refine_steps >= 1"):
+        RegionGrow(refine_steps=0, sigma_color=0.2)
+    with pytest.raises(ValueError, match=r"min_area=0.01 .* connectivity=true"):
+        RegionGrow(connectivity=False, min_area=0.01)
+    with pytest.raises(ValueError, match=r"key_weight=0.3 .* chain=mix"):
+        RegionGrow(chain="keys", key_weight=0.3)
+    RegionGrow(chain="attention", score="keychain", key_temperature=0.1)  # the score's chain
+    with pytest.raises(ValueError, match=r"key_temperature=0.1 .* score=keychain"):
+        RegionGrow(chain="attention", score="cls", key_temperature=0.1)
+    for cls in (ClsAttention, Bounce):
+        with pytest.raises(ValueError, match=r"average_layers=true has no effect with one layer"):
+            cls(layers=[-1], average_layers=True)
+        cls(layers=[-2, -1], average_layers=True)
 
 
 def test_the_knob_test_catches_a_dead_knob(backbones):

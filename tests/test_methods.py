@@ -248,7 +248,9 @@ def test_capture_says_what_each_method_needs():
     assert TokenRank().capture(12).heads == "keep"
     c = TokenRank(layers=[-2, -1], average_layers=True).capture(12)
     assert c.layers == (10, 11) and c.average_layers
-    assert not ClsAttention(average_layers=True).capture(12).average_layers  # one layer
+    assert not ClsAttention().capture(12).average_layers
+    with pytest.raises(ValueError, match="no effect with one layer"):  # nothing to average
+        ClsAttention(average_layers=True)
 
 
 @pytest.mark.parametrize("heads", ["mean", "lambda2"])

@@ -329,8 +329,8 @@ def planted_record(eps: float = 0.05) -> AttentionRecord:
 @pytest.mark.parametrize("seeds", ["all", "grid", "tokenrank"])
 def test_region_grow_recovers_planted_regions_and_foreground(seeds):
     rec = planted_record()
-    method = RegionGrow(chain="attention", seeds=seeds, num_seeds=12, tau=0.5, refine_steps=0,
-                        layers=[0], score_layers=[0])
+    method = RegionGrow(chain="attention", seeds=seeds, tau=0.5, refine_steps=0, layers=[0],
+                        score_layers=[0], **({"num_seeds": 12} if seeds == "tokenrank" else {}))
     out = method(rec)
     assert out.labels.shape == (1, 32, 32) and out.heatmap.shape == (1, 32, 32)
     up = planted_labels(8, 8).repeat_interleave(4, 0).repeat_interleave(4, 1)
@@ -953,7 +953,7 @@ def test_refine_scale_snaps_the_mask_to_the_colour_edge(scale):
     rec = _planted_record_with_pixels()
     kw = dict(chain="attention", tau=0.5, layers=[0], score_layers=[0], refine_radius=4,
               refine_dilation=2, sigma_space=2.0, refine_steps=8)
-    plain = RegionGrow(**kw | dict(refine_steps=0))(rec)
+    plain = RegionGrow(chain="attention", tau=0.5, layers=[0], score_layers=[0], refine_steps=0)(rec)
     out = RegionGrow(**kw, refine_scale=scale)(rec)
     want = torch.zeros(32, 32, dtype=torch.bool)
     want[:16, 16:] = True
