@@ -313,10 +313,10 @@ class Segmenter:
         passed to the model's constructor (torchrun: each rank's device)."""
         from hydra.utils import instantiate
 
+        if method is None:  # first: a bad method setting is refused before weights load
+            method = instantiate(cfg.method)
         if backbone is None:
             backbone = instantiate(cfg.model, **(model_overrides or {}))
-        if method is None:
-            method = instantiate(cfg.method)
         return cls(backbone, method, batch_size=int(cfg.get("batch_size") or 8),
                    max_pixels=cfg.get("max_pixels"),
                    label_upsampling=label_upsampling_setting(cfg.get("label_upsampling")),

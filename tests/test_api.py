@@ -74,6 +74,11 @@ def test_load_builds_what_the_overrides_say():
     assert str(seg.backbone.device) == "cpu"
     with pytest.raises(ValueError, match="multiple of the patch size"):  # the constructor's own error
         segment.load("vit_tiny_random", device="cpu", image_size=50)
+    # the method is built first: a setting it refuses is reported before any weights load
+    # (here a checkpoint that does not exist would be the other error)
+    with pytest.raises(ValueError, match="num_seeds=10 has no effect"):
+        segment.load("dinov2_vits14", device="cpu", checkpoint="/no/such/weights.safetensors",
+                     num_seeds=10)
 
 
 def test_label_upsampling_setting():
