@@ -278,6 +278,20 @@ def _on_threads(method: Any, record: AttentionRecord, threads: int = 1) -> Metho
         return method(record)
 
 
+def _label_upsampling_for(value: str | None, method: Any) -> str:
+    """The ``label_upsampling`` setting, refused when moved off ``smooth`` for a method that
+    gives no region labels (a heatmap method's mask is the thresholded heatmap: the setting
+    would change nothing)."""
+    setting = label_upsampling_setting(value)
+    if setting != "smooth" and not getattr(method, "gives_labels", True):
+        raise ValueError(
+            f"label_upsampling={setting} has no effect with method"
+            f" {getattr(method, 'name', type(method).__name__)}: it gives a heatmap, no region"
+            " labels (the setting applies to region methods, e.g. regions and kmeans)"
+        )
+    return setting
+
+
 class Segmenter:
     """A backbone and a method, ready to segment images (build with :func:`load`).
 
@@ -297,7 +311,7 @@ class Segmenter:
                  config: DictConfig | None = None) -> None:
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.label_upsampling = label_upsampling_setting(label_upsampling)
+        self.label_upsampling = _label_upsampling_for(label_upsampling, method)
         self.backbone = backbone
         self.method = method
         self.batch_size = int(batch_size)
@@ -315,6 +329,7 @@ class Segmenter:
 
         if method is None:  # first: a bad method setting is refused before weights load
             method = instantiate(cfg.method)
+        _label_upsampling_for(cfg.get("label_upsampling"), method)
         if backbone is None:
             backbone = instantiate(cfg.model, **(model_overrides or {}))
         return cls(backbone, method, batch_size=int(cfg.get("batch_size") or 8),

@@ -275,6 +275,8 @@ class Method(abc.ABC):
     average_layers: bool = False
     # False where a subclass refuses ``average_layers`` outright, with its own reason
     _averages_layers: ClassVar[bool] = True
+    # whether the output holds region labels (``MethodOutput.labels``), not only a heatmap
+    gives_labels: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.layers is not None:
@@ -763,6 +765,7 @@ class RegionGrow(Method):
     """
 
     name: str = "regions"
+    gives_labels: ClassVar[bool] = True
     _averages_layers: ClassVar[bool] = False  # refused below
     chain: str = "mix"
     key_temperature: float = 0.05
@@ -1121,6 +1124,7 @@ class KMeansKeys(Method):
     """
 
     name: str = "kmeans"
+    gives_labels: ClassVar[bool] = True
     _averages_layers: ClassVar[bool] = False  # refused below
     k: int = 8
     max_iter: int = 20

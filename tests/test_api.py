@@ -79,6 +79,12 @@ def test_load_builds_what_the_overrides_say():
     with pytest.raises(ValueError, match="num_seeds=10 has no effect"):
         segment.load("dinov2_vits14", device="cpu", checkpoint="/no/such/weights.safetensors",
                      num_seeds=10)
+    # label_upsampling only moves region labels: refused for a heatmap method
+    with pytest.raises(ValueError, match="label_upsampling=nearest has no effect with method"
+                                         " cls_attention"):
+        segment.load("vit_tiny_random", "cls_attention", device="cpu", label_upsampling="nearest")
+    assert segment.load("vit_tiny_random", "kmeans", device="cpu",
+                        label_upsampling="nearest").label_upsampling == "nearest"
 
 
 def test_label_upsampling_setting():
