@@ -797,6 +797,12 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
             raise ConfigError(f"{knob} must be an integer >= {low}, got {v!r}")
 
     dataset = _instantiate_dataset(cfg)
+    if mask_at != "image" and dataset.task != "binary":
+        raise ConfigError(
+            f"mask_at={mask_at} has no effect on {type(dataset).__name__} ({dataset.task}):"
+            " it says how binary masks are made from heatmaps; region labels are scored as"
+            " they are"
+        )
     specs = resolve_methods(cfg)
     for s in specs:
         s.method = instantiate_method(s)

@@ -595,6 +595,14 @@ def test_label_folder_tables_and_panels(tmp_path, quantile_methods, counting, ca
     assert run_eval(cfg) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "s1.png: expected a label PNG with class ids 0..2 and 9" in err[0] and "[4]" in err[0]
+    # mask_at makes binary masks from heatmaps: on a multi-class set it is refused
+    cfg = cfg_for(*TINY, "dataset=labels", f"dataset.root={root}", "dataset.num_classes=3",
+                  "dataset.ignore_index=9", f"output={tmp_path / 'o3'}", "mask_at=grid")
+    capsys.readouterr()
+    assert run_eval(cfg) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "mask_at=grid has no effect on LabelFolder (multiclass)" in err[0]
+    assert not (tmp_path / "o3").exists()
 
 
 def _save_png(path: Path, arr: np.ndarray) -> None:
