@@ -329,13 +329,12 @@ class Segmenter:
 
         if method is None:  # first: a bad method setting is refused before weights load
             method = instantiate(cfg.method)
-        _label_upsampling_for(cfg.get("label_upsampling"), method)
+        labels = _label_upsampling_for(cfg.get("label_upsampling"), method)
         if backbone is None:
             backbone = instantiate(cfg.model, **(model_overrides or {}))
         return cls(backbone, method, batch_size=int(cfg.get("batch_size") or 8),
                    max_pixels=cfg.get("max_pixels"),
-                   label_upsampling=label_upsampling_setting(cfg.get("label_upsampling")),
-                   config=cfg)
+                   label_upsampling=labels, config=cfg)
 
     @property
     def name(self) -> str:
