@@ -102,6 +102,13 @@ class CocoSegmentation(SegmentationDataset):
             raise ValueError(f"task must be 'binary' or 'multiclass', got {task!r}")
         if crop not in ("none", "center"):
             raise ValueError(f"crop must be 'none' or 'center', got {crop!r}")
+        idle = [f"{k}={v!r}" for k, v in (("label_map", label_map), ("num_classes", num_classes),
+                                          ("background", background)) if v not in (None, False)]
+        if task == "binary" and idle:
+            raise ValueError(
+                f"{', '.join(idle)}: multiclass settings, no effect with task=binary (the union of"
+                " the annotations is the foreground); set task=multiclass or leave them unset"
+            )
         self.task = task
         self.crop = crop
         self.crowd = crowd
@@ -140,6 +147,11 @@ class CocoSegmentation(SegmentationDataset):
     @staticmethod
     def _class_map(label_map, num_classes, cat_ids, cats, background):
         shift = 1 if background else 0
+        if num_classes is not None and (label_map is None or isinstance(label_map, str)):
+            raise ValueError(
+                f"num_classes={num_classes}: no effect with label_map={label_map!r} (the classes"
+                " are then the categories, or COCO-Stuff's 27); it sizes a dict label_map"
+            )
         if label_map is None:
             cmap = {c: i + shift for i, c in enumerate(cat_ids)}
             names = (["background"] if background else []) + [cats[c] for c in cat_ids]

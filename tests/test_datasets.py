@@ -287,6 +287,14 @@ def test_coco_multiclass_painting_and_cocostuff_map(coco):
     assert (stuff[1].target[~big] == 23).all()  # sky-other -> sky
     bg = CocoSegmentation(images, ann, task="multiclass", size=None, background=True)
     assert bg.num_classes == 4 and bg[0].target[0, 0] == 0 and bg[0].target[6, 6] == 1
+    # the multiclass settings would change nothing in a binary set: refused
+    with pytest.raises(ValueError, match=r"label_map='cocostuff27', background=True: multiclass"
+                                         r" settings, no effect with task=binary"):
+        CocoSegmentation(images, ann, size=None, label_map="cocostuff27", background=True)
+    with pytest.raises(ValueError, match=r"num_classes=5: no effect with label_map=None"):
+        CocoSegmentation(images, ann, task="multiclass", size=None, num_classes=5)
+    assert CocoSegmentation(images, ann, task="multiclass", size=None, label_map={1: 0, 18: 1},
+                            num_classes=5).num_classes == 5
 
 
 def test_coco_errors(coco, tmp_path):
