@@ -450,7 +450,9 @@ class SegmentRun:
             self.error = f"none of the {len(self.files)} images could be processed; see the reasons above and in run.json"
             log.error(self.error)
             return EXIT_NOTHING_DONE
-        log.info("done: %d segmented, %d resumed, %d failed", n_ok - n_resumed, n_resumed, n_failed)
+        # the word the per-file warnings and the README use for images that could not be done
+        log.info("done: %d segmented, %d resumed, %d skipped%s", n_ok - n_resumed, n_resumed,
+                 n_failed, " (reasons above and in run.json)" if n_failed else "")
         return EXIT_OK
 
     # ------------------------------------------------------------------ plan / build

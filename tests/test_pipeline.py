@@ -90,6 +90,8 @@ def test_run_on_folder_with_bad_files(tmp_path, caplog):
         assert any(path in r.message and why in r.message for r in caplog.records), path
     assert "not an image extension" in skipped["readme.txt"]
     assert "tiny.png" in skipped and "5" in skipped["tiny.png"]
+    # the closing line counts them with the word the per-file warnings use
+    assert "done: 5 segmented, 0 resumed, 4 skipped (reasons above and in run.json)" in caplog.text
     statuses = {s["name"]: s["status"] for s in man["images"]}
     assert statuses["a.jpg"] == "done" and statuses["empty"] == "failed"
     assert man["device"]["device"] == "cpu" and torch.__version__.startswith(man["versions"]["torch"])
