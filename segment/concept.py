@@ -163,7 +163,13 @@ class ConceptAttention(Method):
 
     def capture(self, num_layers: int) -> Capture:
         """The scored layers, attention fused and averaged on the fly (not read here)."""
-        layers = Capture(layers=self.layers).resolve(num_layers)
+        try:
+            layers = Capture(layers=self.layers).resolve(num_layers)
+        except ValueError as e:  # e.g. the protocol's layers 14-17 asked of a 12-block ViT
+            raise ValueError(
+                f"{self.name}: {e}; it scores concept words in a DiT's double-stream layers"
+                " (model=flux_schnell or flux_dev: layers 14-17 of 19), not in a ViT"
+            ) from e
         return Capture(layers=layers, heads="mean", average_layers=len(layers) > 1)
 
     def __call__(self, record: AttentionRecord) -> MethodOutput:

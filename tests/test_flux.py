@@ -466,6 +466,10 @@ def test_concept_attention_method_reads_its_layers():
     )
     m = ConceptAttention(layers=[1])
     assert m.capture(4) == Capture(layers=(1,), heads="mean", average_layers=False)
+    # the protocol's layers asked of a 12-block ViT: the error says which backbone it needs
+    with pytest.raises(ValueError, match=r"layer 14 out of range.*DiT's double-stream layers"
+                                         r" \(model=flux_schnell"):
+        ConceptAttention().capture(12)
     out = m(rec)
     want = torch.softmax(scores[:, [1, 3]], dim=-2).mean(1)[:, 0].reshape(2, 2, 3)
     assert torch.allclose(out.heatmap, want)
