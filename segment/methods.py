@@ -820,11 +820,6 @@ class RegionGrow(Method):
             raise ValueError(f"{self.name}: key_weight must lie in [0, 1], got {self.key_weight}")
         if not 0.0 <= float(self.min_area) < 1.0:
             raise ValueError(f"{self.name}: min_area is a fraction of the image in [0, 1)")
-        if self.chain == "keys" and self.key_fuse == "concat" and self.heads != "mean":
-            raise ValueError(
-                f"{self.name}: heads={self.heads} has no effect with chain=keys and"
-                " key_fuse=concat (one chain from the concatenated keys of all heads)"
-            )
         if self.label_tau is not None and not 0 < float(self.label_tau) <= float(self.tau):
             raise ValueError(
                 f"{self.name}: label_tau must lie in (0, tau = {self.tau}] or be null, got"
@@ -834,7 +829,19 @@ class RegionGrow(Method):
             raise ValueError(f"{self.name}: score must be one of {_SCORES}, got {self.score!r}")
         if self.heat not in _HEATS:
             raise ValueError(f"{self.name}: heat must be one of {_HEATS}, got {self.heat!r}")
-        refuse_inactive(self, [
+        refuse_inactive(self, self._conditional_knobs())
+        self._score = ClsAttention(name=f"{self.name}.score", layers=self.score_layers,
+                                   heads="mean")
+
+    def _conditional_knobs(self) -> list[tuple[str, bool, str]]:
+        """The knobs that act only with other settings: ``(knob, acts now, with what)``
+        (:func:`refuse_inactive`)."""
+        return [
+            # chain=keys with key_fuse=concat is one chain from all heads' keys: nothing to weigh
+            ("heads", not (self.chain == "keys" and self.key_fuse == "concat"),
+             "chain=attention or chain=mix, or key_fuse=similarity or key_fuse=chain (with"
+             " chain=keys and key_fuse=concat one chain comes from the concatenated keys of all"
+             " heads)"),
             ("key_weight", self.chain == "mix", "chain=mix"),
             ("key_fuse", self._needs_keys, "chain=keys or chain=mix"),
             ("key_temperature", self._needs_keys or self.score == "keychain",
@@ -847,9 +854,7 @@ class RegionGrow(Method):
               for knob in ("refine_radius", "refine_dilation", "refine_scale", "sigma_space",
                            "sigma_color")),
             ("min_area", bool(self.connectivity), "connectivity=true"),
-        ])
-        self._score = ClsAttention(name=f"{self.name}.score", layers=self.score_layers,
-                                   heads="mean")
+        ]
 
     @property
     def _needs_keys(self) -> bool:

@@ -323,11 +323,11 @@ def test_conditional_knobs_keep_their_config_defaults():
 
     cls, values, _ = method_knobs("regions")
     assert cls is RegionGrow
-    for f in dataclasses.fields(RegionGrow):
-        if f.name in ("key_weight", "key_fuse", "key_temperature", "max_seeds", "seed_stride",
-                      "num_seeds", "seed_radius", "refine_radius", "refine_dilation",
-                      "refine_scale", "sigma_space", "sigma_color", "min_area"):
-            assert values[f.name] == f.default, f.name
+    defaults = {f.name: f.default for f in dataclasses.fields(RegionGrow)}
+    conditional = [knob for knob, _, _ in RegionGrow()._conditional_knobs()]
+    assert {"seed_stride", "num_seeds", "min_area", "sigma_color"} <= set(conditional)
+    for knob in conditional:
+        assert values[knob] == defaults[knob], knob
 
 
 def test_a_knob_without_its_setting_is_refused_by_name():
@@ -349,6 +349,9 @@ def test_a_knob_without_its_setting_is_refused_by_name():
     RegionGrow(chain="attention", score="keychain", key_temperature=0.1)  # the score's chain
     with pytest.raises(ValueError, match=r"key_temperature=0.1 .* score=keychain"):
         RegionGrow(chain="attention", score="cls", key_temperature=0.1)
+    with pytest.raises(ValueError, match=r"heads='lambda2' .* concatenated keys of all heads"):
+        RegionGrow(chain="keys", key_fuse="concat", heads="lambda2")
+    RegionGrow(chain="mix", key_fuse="concat", heads="lambda2")  # weighs the attention part
     for cls in (ClsAttention, Bounce):
         with pytest.raises(ValueError, match=r"average_layers=true has no effect with one layer"):
             cls(layers=[-1], average_layers=True)
