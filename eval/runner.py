@@ -768,7 +768,11 @@ def run_eval(cfg: DictConfig) -> int:
     """Evaluate the configured methods; returns the exit code (0 ok, 2 bad input/config,
     130 interrupted: rerun with the same ``output`` to resume)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    ctx = dist.init(cfg.get("device", "auto"))
+    try:
+        ctx = dist.init(cfg.get("device", "auto"))
+    except ValueError as e:  # e.g. device=cuda without CUDA, a bad torchrun environment
+        print(f"segment-eval: bad settings: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         return _run(cfg, ctx)
     except ConfigError as e:
@@ -935,6 +939,11 @@ def _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at, fall
 
     t_build = time.perf_counter()
     backbone = _instantiate_model(cfg, ctx.device)
+    for s in specs:  # layers the model lacks etc.: before the first batch, one line, exit 2
+        try:
+            s.method.capture(backbone.num_layers)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"method {s.label!r} cannot run on this model: {e}") from e
     prompted = hasattr(backbone, "default_class")  # text-conditioned (FLUX)
     default_class = getattr(backbone, "default_class", None)
     timing.build_s = time.perf_counter() - t_build

@@ -31,11 +31,11 @@ from typing import Any, Union
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from PIL import Image
 from torch import Tensor
 
-from segment.front import config_names, suggest
+from segment.front import _show, _value_problem, config_names, run_value_problem, suggest
 from segment.io import ImageReadError, read_image, to_rgb
 from segment.masks import MethodOutput, concat_outputs, label_upsampling_setting
 from segment.outputs import RenderOptions, Segmentation, overlay, postprocess
@@ -119,6 +119,14 @@ def compose_config(
             path = key if where[0] == "run" else f"{where[0]}.{key}"
         if path not in known:
             raise ValueError(f"unknown setting {path!r}{suggest(path, known)}")
+        default = OmegaConf.select(cfg, path)
+        if isinstance(default, (DictConfig, ListConfig)):
+            default = OmegaConf.to_container(default)
+        plain = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+        plain = list(plain) if isinstance(plain, tuple) else plain
+        why = _value_problem(default, plain) or run_value_problem("segment", path, default, plain)
+        if why is not None:
+            raise ValueError(f"{key}={plain!r}: {why} (the default is {_show(default)})")
         OmegaConf.update(cfg, path, value, merge=False)
     return cfg
 

@@ -168,7 +168,8 @@ class ConceptAttention(Method):
         except ValueError as e:  # e.g. the protocol's layers 14-17 asked of a 12-block ViT
             raise ValueError(
                 f"{self.name}: {e}; it scores concept words in a DiT's double-stream layers"
-                " (model=flux_schnell or flux_dev: layers 14-17 of 19), not in a ViT"
+                " (model=flux_schnell or flux_dev: layers 14-17 of 19); set method.layers to"
+                " double-stream layers this model has"
             ) from e
         return Capture(layers=layers, heads="mean", average_layers=len(layers) > 1)
 

@@ -140,7 +140,8 @@ def _value_problem(default: Any, value: Any) -> str | None:
     """Why ``value`` cannot replace a setting whose default is ``default``, or ``None``.
 
     Only what is certain from the default's type: a number (or a list of numbers) given a
-    word, an integer given a fraction, a switch given anything but true/false (or 1/0). ``null`` and
+    word, an integer given a fraction, a switch given anything but true/false (or 1/0), a
+    list of numbers (``layers: [-1]``) given anything but a list of numbers. ``null`` and
     interpolations (``${...}``) are left to the component that reads them."""
     if value is None or (isinstance(value, str) and "${" in value):
         return None
@@ -152,7 +153,47 @@ def _value_problem(default: Any, value: Any) -> str | None:
             return "expected a number"
         if isinstance(default, int) and not all(isinstance(v, int) or float(v).is_integer() for v in items):
             return "expected a whole number"
+    if isinstance(default, list) and default and all(_is_number(v) for v in default):
+        example = "[" + ",".join(str(v) for v in default) + "]"
+        if not isinstance(value, list) or not all(_is_number(v) for v in value):
+            return f"expected a list of numbers, e.g. {example}"
+        if all(isinstance(v, int) for v in default) and not all(
+            isinstance(v, int) or float(v).is_integer() for v in value
+        ):
+            return f"expected a list of whole numbers, e.g. {example}"
     return None
+
+
+# run settings that are whole numbers with a lowest value (several default to null = auto,
+# which the type check above cannot see): command -> key -> lowest
+WHOLE_AT_LEAST = {
+    "segment": {"batch_size": 1, "num_workers": 0, "max_pixels": 1, "min_size": 1},
+    "segment-eval": {"batch_size": 1, "num_workers": 0, "limit": 1, "bootstrap": 0, "panels": 0},
+}
+
+
+def run_value_problem(command: str, key: str, default: Any, value: Any) -> str | None:
+    """Why ``value`` cannot be the run setting ``key`` of ``command`` (or ``None``): the
+    whole-number settings of :data:`WHOLE_AT_LEAST` (``null`` only where that is the
+    default), and ``input`` (a path; empty is refused: an unset shell variable)."""
+    if command == "segment" and key == "input":
+        if value is not None and str(value).strip() == "":
+            return "empty; give a folder or an image, or leave out input= for the bundled examples"
+        return None
+    low = WHOLE_AT_LEAST.get(command, {}).get(key)
+    if low is None:
+        return None
+    if value is None:
+        return None if default is None else f"expected a whole number >= {low}"
+    if isinstance(value, str) and "${" in value:
+        return None
+    if not _is_number(value) or not float(value).is_integer() or value < low:
+        return f"expected a whole number >= {low}"
+    return None
+
+
+def _show(v: Any) -> str:
+    return "null" if v is None else repr(v)
 
 
 def _compose(config_name: str, overrides: Sequence[str]) -> Any:
@@ -213,10 +254,10 @@ def check_overrides(command: str, config_name: str, args: Sequence[str]) -> Any:
         default = _get(tree, key)
         if default is not _MISSING:
             value = None if o.is_delete() or o.is_sweep_override() else o.value()
-            why = _value_problem(default, value)
+            why = _value_problem(default, value) or run_value_problem(command, key, default, value)
             if why is not None:
                 raise UsageError(f"{key}={o.get_value_element_as_str()}: {why} (the default is "
-                                 f"{default!r}); see {command} --help")
+                                 f"{_show(default)}); see {command} --help")
             continue
         parent = key.rsplit(".", 1)[0] if "." in key else ""
         if any(parent == n or parent.startswith(n + ".") or key.startswith(n + ".") for n in _OPEN_NODES) and (

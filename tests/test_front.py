@@ -102,15 +102,74 @@ def test_a_value_of_the_wrong_type_is_named_in_one_line(tmp_path, cmd, arg, why)
     _nothing_created(tmp_path)
 
 
+@pytest.mark.parametrize("cmd,arg,why", [
+    # settings whose default is null (auto) are whole numbers with a lowest value
+    ("segment", "max_pixels=abc", "expected a whole number >= 1 (the default is null)"),
+    ("segment", "max_pixels=-5", "expected a whole number >= 1 (the default is null)"),
+    ("segment", "num_workers=abc", "expected a whole number >= 0 (the default is null)"),
+    ("segment", "min_size=2.5", "expected a whole number >= 1 (the default is null)"),
+    ("segment", "batch_size=0", "expected a whole number >= 1 (the default is 8)"),
+    ("segment-eval", "limit=abc", "expected a whole number >= 1 (the default is null)"),
+    ("segment-eval", "limit=0", "expected a whole number >= 1 (the default is null)"),
+    ("segment-eval", "panels=-1", "expected a whole number >= 0 (the default is 4)"),
+    ("segment-eval", "bootstrap=-3", "expected a whole number >= 0 (the default is 1000)"),
+    # a list of layer indices given a word or one number
+    ("segment", "method.layers=abc", "expected a list of numbers, e.g. [-1] (the default is [-1])"),
+    ("segment-eval", "method.layers=3", "expected a list of numbers, e.g. [-1] (the default is [-1])"),
+    ("segment", "method.layers=[-1.5]", "expected a list of whole numbers, e.g. [-1]"),
+    # an empty input (an unset shell variable) is not "the bundled examples"
+    ("segment", "input=", "empty; give a folder or an image, or leave out input= for the bundled examples"),
+])
+def test_run_settings_out_of_range_are_named_in_one_line(tmp_path, cmd, arg, why):
+    extra = ["dataset.root=/nowhere"] if cmd == "segment-eval" else []
+    line = _one_line_error(run(cmd, arg, *extra, cwd=tmp_path), arg)
+    assert line.startswith(f"{cmd}: {arg}: {why}"), line
+    _nothing_created(tmp_path)
+
+
+def test_segment_eval_setup_errors_exit_2_in_one_line_and_leave_nothing(tmp_path):
+    """Errors found when the run starts (no CUDA, a layer the model lacks) are settings
+    errors: one line, exit 2, no output folder, as with `segment`."""
+    import torch
+
+    data = _folder(tmp_path / "data", 2, masks=True)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    common = [*TINY, f"dataset.root={data}", "dataset.size=[48,56]", "model.image_size=56", f"output={cwd / 'ev'}"]
+    line = _one_line_error(run("segment-eval", *common, "method.layers=[20]", cwd=cwd), "layer 20")
+    assert line.startswith("segment-eval: method 'regions' cannot run on this model: layer 20 out of range"), line
+    if not torch.cuda.is_available():
+        line = _one_line_error(run("segment-eval", *[a for a in common if a != "device=cpu"], "device=cuda",
+                                   cwd=cwd), "CUDA")
+        assert line.startswith("segment-eval: bad settings: device='cuda'"), line
+    _nothing_created(cwd)
+
+
+def test_the_python_api_checks_values_like_the_command():
+    from segment.api import compose_config
+
+    for kw, why in [(dict(tau="oops"), "tau='oops': expected a number (the default is 0.2)"),
+                    (dict(connectivity="no"), "connectivity='no': expected true or false"),
+                    (dict(batch_size=0), "batch_size=0: expected a whole number >= 1 (the default is 8)"),
+                    (dict(max_pixels=-5), "max_pixels=-5: expected a whole number >= 1 (the default is null)"),
+                    (dict(layers="abc"), "layers='abc': expected a list of numbers, e.g. [-1]")]:
+        with pytest.raises(ValueError) as e:
+            compose_config(**kw)
+        assert str(e.value).startswith(why), (kw, str(e.value))
+    cfg = compose_config(layers=(-2,), image_size=[336, 448], max_pixels=None, **{"method.tau": 0.1})
+    assert list(cfg.method.layers) == [-2] and cfg.method.tau == 0.1
+
+
 def test_values_of_the_right_type_pass_the_check():
     from segment.front import _value_problem
 
     for default, value in [(0.2, 1), (0.2, 1e-1), (224, [336, 448]), (224, 448.0), (0.03, None),
                            (True, False), (True, 0), (8, "${oc.env:B}"), ("auto", "cpu"),
-                           ([-1], "all"), (None, "x")]:
+                           ([-1], [-2, -1]), ([-1], None), ([0], [3.0]), (None, "x")]:
         assert _value_problem(default, value) is None, (default, value)
     assert _value_problem(True, 2) == "expected true or false"
     assert _value_problem(8, True) == "expected a number"
+    assert _value_problem([-1], "all") == "expected a list of numbers, e.g. [-1]"
 
 
 def test_groups_a_command_does_not_use(tmp_path):
