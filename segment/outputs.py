@@ -564,6 +564,11 @@ def write_image(
         rel = rel_output(f"thumb/{col}", name)
         write_file(root / rel, _encode(".jpg", small, thumb_jpg), opts.fsync)
         outputs[f"thumb/{col}"] = rel
+    # files of a kind this method does not make (labels/ of a region method, when a heatmap
+    # method redoes the image into the same folder) would be taken for this run's
+    for kind in ("labels", "thumb/labels"):
+        if kind not in outputs:
+            (root / rel_output(kind, name)).unlink(missing_ok=True)
     annotations = coco_annotations(seg)
     rec = ImageRecord(
         name=name,

@@ -181,6 +181,21 @@ def test_write_image_binary_files_at_original_resolution(tmp_path):
     assert len(rec.annotations) == 1 and rec.annotations[0]["category_id"] == FOREGROUND_ID
 
 
+def test_redoing_an_image_with_a_heatmap_method_removes_its_old_region_labels(tmp_path):
+    # a region method, then a heatmap method into the same folder: labels/ and its thumbnail
+    # of the first run must not stay next to the new masks as if they were this run's
+    img = _image(30, 40, 1)
+    first = write_image(tmp_path, "a", img, _region_seg(30, 40), FAST, **_fields("a"))
+    assert (tmp_path / first.outputs["labels"]).is_file() and (tmp_path / first.outputs["thumb/labels"]).is_file()
+    other = write_image(tmp_path, "b", img, _region_seg(30, 40), FAST, **_fields("b"))
+    again = write_image(tmp_path, "a", img, _binary_seg(30, 40), FAST, **_fields("a"))
+    assert "labels" not in again.outputs
+    assert not (tmp_path / first.outputs["labels"]).exists()
+    assert not (tmp_path / first.outputs["thumb/labels"]).exists()
+    assert (tmp_path / other.outputs["labels"]).is_file()  # other images keep theirs
+    assert load_record(tmp_path, "a") == again
+
+
 def test_coco_roundtrip_binary_and_regions(tmp_path):
     seg_b, seg_r = _binary_seg(30, 45), _region_seg(30, 40)
     recs = [
