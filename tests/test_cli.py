@@ -102,6 +102,8 @@ def test_cli_dinov2_on_bundled_examples(tmp_path, dinov2_weights):
     assert r.returncode == 0, r.stderr
     man = json.loads((out / "run.json").read_text())
     assert man["counts"]["segmented"] == 3 and man["model"] == "dinov2_vits14"
+    # the example folder holds only the photos: the demo run reports nothing as ignored
+    assert man["counts"]["ignored"] == 0 and "ignored" not in r.stdout + r.stderr, r.stderr
     for name in ("astronaut", "chelsea", "coffee"):
         src = Image.open(Path(man["input"]) / f"{name}.png")
         m = np.asarray(Image.open(out / "masks" / f"{name}.png")) > 0
