@@ -180,6 +180,16 @@ class Result:
         """The overlay as a PIL image (shown inline by Jupyter); see :func:`show`."""
         return show(self, alpha=alpha)
 
+    def __repr__(self) -> str:  # a summary: the arrays (and the attention record) are large
+        h, w = self.size
+        parts = [f"{w}x{h}", f"foreground {100 * float(self.mask.mean()):.1f}%"]
+        if self.labels is not None:
+            regions = np.unique(self.labels)
+            fg = int(self.foreground[regions[regions < len(self.foreground)]].sum()) if self.foreground is not None else 0
+            parts.append(f"{len(regions)} regions ({fg} foreground)")
+        parts.append("record kept" if self.record is not None else "no record")
+        return f"Result({', '.join(parts)})"
+
     def _repr_png_(self) -> bytes:  # Jupyter: a bare ``res`` in a cell shows the overlay
         import io
 

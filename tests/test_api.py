@@ -201,6 +201,18 @@ def test_show_draws_the_overlay():
     np.testing.assert_array_equal(np.asarray(segment.show(r2, im)), np.asarray(ov))
 
 
+def test_a_result_prints_as_a_short_summary():
+    seg = segment.load("vit_tiny_random", device="cpu", image_size=56)
+    r = seg(_img(40, 60, 3))
+    text = repr(r)
+    assert len(text) < 120 and "\n" not in text, text
+    regions = np.unique(r.labels)
+    assert text == (f"Result(60x40, foreground {100 * r.mask.mean():.1f}%, {len(regions)} regions "
+                    f"({int(r.foreground[regions].sum())} foreground), record kept)")
+    binary = Result(mask=np.array([[True, False]]), heatmap=np.zeros((1, 2), np.float32), labels=None, foreground=None)
+    assert repr(binary) == "Result(2x1, foreground 50.0%, no record)"
+
+
 # ----------------------------------------------------------------------------- the command
 
 
