@@ -346,8 +346,10 @@ class Method(abc.ABC):
         w = record.head_weights.get(layer)
         if attn.shape[1] != 1 or w is None or w.shape[-1] < 2:
             return
-        uniform = bool(torch.allclose(w, torch.full_like(w, 1.0 / w.shape[-1])))
-        scheme = "mean" if uniform else "lambda2"
+        scheme = record.head_fusion
+        if scheme is None:  # a hand-built record: uniform weights are the mean
+            uniform = bool(torch.allclose(w, torch.full_like(w, 1.0 / w.shape[-1])))
+            scheme = "mean" if uniform else "lambda2"
         if not self._fuse_first:
             raise ValueError(
                 f"{self.name}: fuse={getattr(self, 'fuse', None)} needs every head, but the"

@@ -126,6 +126,9 @@ class AttentionRecord:
             FLUX: the class word's text tokens). ``None`` = ``[layout.cls_index]``.
         keys: layer index -> ``(B, H, N, D)`` attention keys, when captured.
         head_weights: layer index -> ``(B, H)`` weights used to fuse heads, when fused.
+        head_fusion: how they were fused (``"mean"`` or ``"lambda2"``, the capture's
+            ``heads``); ``None`` when the heads were kept or the record was built by hand
+            (then uniform weights are read as ``"mean"``).
         averaged_layers: the layers averaged into one entry, when ``Capture.average_layers``.
         extras: backbone-specific tensors (e.g. ConceptAttention outputs), by name.
         num_layers: layers of the backbone that made the record (resolves a method's
@@ -141,6 +144,7 @@ class AttentionRecord:
     query: list[tuple[int, ...]] | None = None
     keys: dict[int, Tensor] = field(default_factory=dict)
     head_weights: dict[int, Tensor] = field(default_factory=dict)
+    head_fusion: str | None = None
     averaged_layers: tuple[int, ...] | None = None
     extras: dict[str, Tensor] = field(default_factory=dict)
     num_layers: int | None = None

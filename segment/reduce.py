@@ -97,6 +97,7 @@ class AttentionReducer:
             image_size=image_size,
             keys=self.keys,
             head_weights=self.weights,
+            head_fusion=self.capture.heads if self.weights else None,
             averaged_layers=averaged,
             **kwargs,
         )

@@ -287,6 +287,18 @@ def test_records_that_cannot_serve_a_method_are_refused():
         Bounce()(fused)
     with pytest.raises(ValueError, match="heads=lambda2"):
         ClsAttention(heads="lambda2")(fused)
+    # heads whose |lambda_2| are equal get equal weights: the record still knows they were
+    # fused by lambda2 (not read back from the weights), so the method that asked accepts it
+    same = {i: x[:, :1].expand(1, 3, 7, 7).contiguous() for i, x in a.items()}
+    r = AttentionReducer(Capture(layers=None, heads="lambda2"), 2, VIT)
+    for i, x in same.items():
+        r.update(i, x)
+    twins = r.record(image_size=(28, 42))
+    assert twins.head_fusion == "lambda2" and torch.allclose(twins.head_weights[0], torch.full((1, 3), 1 / 3))
+    got = ClsAttention(heads="lambda2", layers=[0])(twins).heatmap
+    torch.testing.assert_close(got, same[0][:, 0, 0, 1:].reshape(1, 2, 3).float(), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="captured with heads fused by lambda2"):
+        ClsAttention(layers=[0])(twins)  # the mean-heads method is refused it, by name
     with pytest.raises(ValueError, match="averaged"):
         ClsAttention(layers=[0, 1])(reduced(Capture(layers=None, average_layers=True)))
     with pytest.raises(ValueError, match="not captured"):
