@@ -563,6 +563,7 @@ class _ChainMethod(Method):
     fuse: str = "output"
     chain: str = "grid"
     direction: str = "forward"
+    _directions: ClassVar[tuple[str, ...]] = _DIRECTIONS
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -570,10 +571,10 @@ class _ChainMethod(Method):
             raise ValueError(f"{self.name}: fuse must be one of {_FUSE}, got {self.fuse!r}")
         if self.chain not in _CHAIN_KINDS:
             raise ValueError(f"{self.name}: chain must be one of {_CHAIN_KINDS}, got {self.chain!r}")
-        if self.direction not in _DIRECTIONS:
+        if self.direction not in self._directions:
             hint = {"incoming": " (was: incoming)", "outgoing": " (source was: outgoing)"}
             raise ValueError(
-                f"{self.name}: direction must be one of {_DIRECTIONS}, got {self.direction!r}"
+                f"{self.name}: direction must be one of {self._directions}, got {self.direction!r}"
                 + hint.get(str(self.direction), "")
             )
         if self.chain == "joint" and self.fuse == "chain":
@@ -684,7 +685,10 @@ class TokenRank(_ChainMethod):
     averages the per-head stationary vectors, ``attention`` uses the patch chain of the fused
     attention. Joint chain: of ``alpha A + (1 - alpha) 11^T / N`` over every token, read on
     the grid (the reference code's ``tokenrank_sink``). ``direction: source``: of the reverse
-    of the damped chain (the reference's ``tokenrank_src``), on either chain.
+    of the damped chain (the reference code's ``tokenrank_src``); ``direction: outgoing``:
+    of the damped reverse chain, ``alpha S + (1 - alpha) 11^T / n`` with ``S`` the
+    column-normalised transpose (protocol §1's outgoing view: the same power iteration on
+    the column-normalised transpose); on either chain.
 
     Attributes:
         alpha: damping in ``(0, 1]`` (reference 0.99).
@@ -697,6 +701,7 @@ class TokenRank(_ChainMethod):
     alpha: float = 0.99
     tol: float = 1e-6
     max_iter: int = 200
+    _directions: ClassVar[tuple[str, ...]] = (*_DIRECTIONS, "outgoing")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -709,7 +714,7 @@ class TokenRank(_ChainMethod):
     def _pi(self, chain: Tensor) -> Tensor:
         return markov.tokenrank(
             chain, alpha=self.alpha, tol=float(self.tol), max_iter=int(self.max_iter),
-            direction="incoming" if self.direction == "forward" else "source",
+            direction={"forward": "incoming"}.get(self.direction, self.direction),
         )
 
     def _run(self, v1: Tensor, chain: Tensor) -> Tensor:

@@ -386,6 +386,12 @@ def _np_damped(a: np.ndarray, alpha: float, source: bool) -> np.ndarray:
     return t
 
 
+def _np_outgoing(a: np.ndarray, alpha: float) -> np.ndarray:
+    """Protocol §1's outgoing view: damping applied to the column-normalised transpose."""
+    s = np.swapaxes(a / a.sum(-2, keepdims=True), -1, -2)
+    return alpha * s + (1 - alpha) / a.shape[-1]
+
+
 @pytest.mark.parametrize("direction", ["forward", "source"])
 @pytest.mark.parametrize("fuse", ["output", "attention"])
 def test_joint_bounce_walks_every_token_by_hand(direction, fuse):
@@ -420,19 +426,23 @@ def test_grid_source_bounce_by_hand(fuse):
 @pytest.mark.parametrize("chain", ["grid", "joint"])
 def test_tokenrank_chain_and_direction_by_hand(chain):
     a = stochastic(2, 3, 7, 7, seed=8)
-    for direction in ("forward", "source"):
+    outs = {}
+    for direction in ("forward", "source", "outgoing"):
         m = TokenRank(fuse="attention", chain=chain, direction=direction, alpha=0.9,
                       tol=1e-14, max_iter=5000)
-        out = m(record({0: a}, VIT)).heatmap.reshape(2, 6).numpy()
+        out = outs[direction] = m(record({0: a}, VIT)).heatmap.reshape(2, 6).numpy()
         for b in range(2):
             x = a[b].numpy().mean(0)
             base = np_patch_chain(x, G) if chain == "grid" else x
-            t = _np_damped(base, 0.9, direction == "source")
+            t = _np_outgoing(base, 0.9) if direction == "outgoing" else _np_damped(base, 0.9, direction == "source")
             w, v = np.linalg.eig(t.T)
             pi = np.real(v[:, np.argmin(np.abs(w - 1))])
             pi = pi / pi.sum()
             want = pi if chain == "grid" else pi[1:]
             assert np.allclose(out[b], want, atol=1e-10), (direction, b)
+    assert np.abs(outs["outgoing"] - outs["source"]).max() > 1e-4  # two different chains
+    with pytest.raises(ValueError, match=r"direction must be one of \('forward', 'source'\).*source was: outgoing"):
+        Bounce(direction="outgoing")  # a bounce has no damping to place: source only
 
 
 def test_chain_knobs_change_the_heatmap_or_are_refused():
