@@ -838,13 +838,13 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
         if any(k not in entry.states for k in keys):
             todo.append(i)
     log.info(
-        "rank %d/%d: %d images, %d from the cache, %d to score with %d methods",
+        "rank %d/%d: %d images, %d with every row in the metric cache, %d to score with %d methods",
         ctx.rank, ctx.world_size, len(mine), len(mine) - len(todo), len(todo), len(specs),
     )
     if cache.enabled:
         others = [p for p in cache_root.iterdir() if p.is_dir() and p != cache.root]
         log.info(
-            "metric cache %s: reused %d of %d per-image results%s", cache.root, reused,
+            "metric cache %s: reused %d of %d (image, method) results%s", cache.root, reused,
             len(mine) * len(keys),
             f"; {len(others)} other cache folder(s) (another model, data set, post-processing,"
             " package version or code) not used" if others else "",

@@ -307,8 +307,8 @@ def read_image(path: str | os.PathLike, *, max_pixels: int | None = None) -> Loa
             if limit is not None and w * h > limit:
                 raise ImageReadError(
                     path,
-                    f"image is {w}x{h} = {w * h / 1e6:.1f} Mpx, above the limit of "
-                    f"{limit / 1e6:.1f} Mpx (decompression-bomb guard); if the file is "
+                    f"image is {w}x{h} = {w * h:,} pixels, above the limit of "
+                    f"{int(limit):,} (decompression-bomb guard); if the file is "
                     f"trusted, raise the limit with max_pixels=N",
                 )
             if getattr(im, "n_frames", 1) > 1:

@@ -411,10 +411,12 @@ class SegmentRun:
         todo = self._plan(self.mine)
         self.t.plan_s = time.perf_counter() - ts
         done_before = len(self.mine) - len(todo)
+        n = len(self.files)
         log.info(
-            "%s%d images under %s: %d already done%s, %d to segment -> %s",
+            "%s%d image%s %s: %d already done%s, %d to segment -> %s",
             f"rank {self.ctx.rank}/{self.ctx.world_size}: {len(self.mine)} of " if self.ctx.distributed else "",
-            len(self.files), listing.root, done_before,
+            n, "" if n == 1 else "s",
+            f"({input_path})" if input_path.is_file() else f"under {listing.root}", done_before,
             "" if not self.overwrite else " (overwrite=true: redoing all)", len(todo), self.out,
         )
         if todo:

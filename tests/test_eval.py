@@ -307,13 +307,13 @@ def test_metric_cache_is_keyed_by_version_and_code(folder, tmp_path, monkeypatch
     caplog.set_level(logging.INFO, logger="segment.eval.runner")
     assert run_eval(cfg) == EXIT_OK  # same code: the (poisoned) cache is used
     assert all(r["pixAcc"] == 100 for r in read_rows(out))
-    assert "reused 6 of 6 per-image results" in caplog.text
+    assert "reused 6 of 6 (image, method) results" in caplog.text
 
     caplog.clear()
     monkeypatch.setattr("segment.__version__", "99.0")  # an upgrade
     assert run_eval(cfg) == EXIT_OK
     assert read_rows(out) == fresh
-    assert "reused 0 of 6 per-image results" in caplog.text
+    assert "reused 0 of 6 (image, method) results" in caplog.text
     assert "1 other cache folder" in caplog.text
 
     # a change to the source of one method's module rescored that method only
