@@ -62,6 +62,7 @@ from torch import Tensor
 from segment.concept import normalize_concepts
 from segment.models.base import Backbone
 from segment.record import AttentionRecord, Capture, TokenLayout
+from segment.models.vit import _hub_offline
 from segment.reduce import AttentionReducer
 from segment.utils import resolve_device
 
@@ -1007,6 +1008,29 @@ def _scale_record(r: AttentionRecord, s: float) -> AttentionRecord:
 # --------------------------------------------------------------------------------------
 
 
+def _hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def _hub_unavailable(repo_id: str, revision: str | None) -> str | None:
+    """``None`` when the hub can be asked (the normal path), ``"cached"`` when it cannot
+    but the repository's transformer config (the first file :func:`load_components` reads)
+    is in the cache, else why it cannot."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    from segment.models.vit import _hub_reachable
+
+    offline = getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)()
+    why = "HF_HUB_OFFLINE is set" if offline else _hub_reachable(constants.ENDPOINT)
+    if why is None:
+        return None
+    cached = try_to_load_from_cache(repo_id, "transformer/config.json", cache_dir=constants.HF_HUB_CACHE,
+                                    revision=revision)
+    return "cached" if isinstance(cached, str) else why
+
+
 def load_components(
     source: str,
     *,
@@ -1080,9 +1104,19 @@ def flux_pretrained(
                 f" ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
             ) from e
     else:
+        # no network and nothing cached: say so at once, not after the hub client's retries
+        # (about 30 s of warnings); cached and no network: load in offline mode
+        why = None if local_files_only else _hub_unavailable(repo_id, revision)
         try:
-            comps = load_components(repo_id, dtype=dt, vae_dtype=vae_dt, revision=revision,
-                                    local_files_only=local_files_only)
+            if why == "cached":
+                with _hub_offline():
+                    comps = load_components(repo_id, dtype=dt, vae_dtype=vae_dt, revision=revision,
+                                            local_files_only=True)
+            elif why is not None:
+                raise RuntimeError(f"not in the cache {_hub_cache()} and cannot be downloaded: {why}")
+            else:
+                comps = load_components(repo_id, dtype=dt, vae_dtype=vae_dt, revision=revision,
+                                        local_files_only=local_files_only)
         except Exception as e:  # noqa: BLE001 - hub / network / cache / licence errors vary
             raise RuntimeError(
                 f"could not load {repo_id!r} from the Hugging Face hub"

@@ -233,7 +233,8 @@ def check_pretrained_reachable(arch: str, name: str | None = None) -> bool:
     raise RuntimeError(
         f"{name or arch}: pretrained weights {repo} are not in the cache "
         f"{constants.HF_HUB_CACHE} and cannot be downloaded ({why}); pass a local file with "
-        f"model.checkpoint=PATH (.safetensors or torch state dict), or download the weights "
+        f"model.checkpoint=PATH (.safetensors or torch state dict; in Python "
+        f"segment.load(checkpoint=PATH)), or download the weights "
         f"on a connected machine into that cache (HF_HOME)"
     )
 

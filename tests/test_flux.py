@@ -423,6 +423,38 @@ def test_clear_errors(backbone, tmp_path):
         flux_pretrained(path=str(tmp_path))
 
 
+def test_no_network_and_no_cache_fails_at_once(tmp_path, monkeypatch):
+    """Without a reachable hub and without the weights in the cache, loading FLUX stops in
+    one message before the hub client's retries (about 30 s of warnings); with the weights
+    cached, the same situation loads offline."""
+    import time
+
+    from huggingface_hub import constants
+
+    import segment.models.flux as flux
+    import segment.models.vit as vit
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(vit, "_hub_reachable", lambda endpoint, timeout=3.0: f"{endpoint} unreachable: test")
+    asked = []
+    monkeypatch.setattr(flux, "load_components", lambda *a, **k: asked.append(k) or (_ for _ in ()).throw(OSError("x")))
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"not in the cache .* cannot be downloaded: .*unreachable: test.*model.path=DIR"):
+        flux_pretrained("black-forest-labs/FLUX.1-schnell")
+    assert time.perf_counter() - t0 < 2 and asked == []  # the hub client was never asked
+    # a cached snapshot (the hub cache's layout): offline mode, cache only
+    snap = tmp_path / "models--black-forest-labs--FLUX.1-schnell"
+    (snap / "refs").mkdir(parents=True)
+    (snap / "refs" / "main").write_text("abc123")
+    (snap / "snapshots" / "abc123" / "transformer").mkdir(parents=True)
+    (snap / "snapshots" / "abc123" / "transformer" / "config.json").write_text("{}")
+    assert flux._hub_unavailable("black-forest-labs/FLUX.1-schnell", None) == "cached"
+    with pytest.raises(RuntimeError, match="could not load"):
+        flux_pretrained("black-forest-labs/FLUX.1-schnell")
+    assert asked and asked[-1]["local_files_only"] is True
+
+
 def test_local_folder_roundtrip(comps, tmp_path):
     """``model.path=DIR`` loads a diffusers folder with the real ``from_pretrained`` code."""
     for sub, obj in (("transformer", comps.transformer), ("vae", comps.vae),
