@@ -35,7 +35,10 @@ def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
     """
     if spec is None or str(spec) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(spec)
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, TypeError):  # torch lists every device type it knows
+        raise ValueError(f"device={spec!r} is not a device: use auto, cpu, cuda or cuda:N (or mps)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={spec!r} was asked for but CUDA is not available; use device=cpu")
     return dev

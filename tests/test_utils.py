@@ -12,3 +12,18 @@ def test_tune_allocator_leaves_an_environment_that_tunes_it(monkeypatch):
         monkeypatch.delenv(var)
     # glibc accepts the thresholds (mallopt returns 1); elsewhere nothing is done
     assert tune_allocator() is (platform.libc_ver()[0] == "glibc")
+
+
+def test_resolve_device_names_the_bad_setting():
+    import pytest
+    import torch
+
+    from segment.utils import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type in ("cpu", "cuda")
+    with pytest.raises(ValueError, match=r"device='tpu' is not a device: use auto, cpu, cuda or cuda:N"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda:0")
