@@ -35,7 +35,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from PIL import Image
 from torch import Tensor
 
-from segment.front import _show, _value_problem, config_names, run_value_problem, suggest
+from segment.front import config_names, run_value_problem, show_default, suggest, value_problem
 from segment.io import ImageReadError, read_image, to_rgb
 from segment.masks import MethodOutput, concat_outputs, label_upsampling_setting
 from segment.outputs import RenderOptions, Segmentation, overlay, postprocess
@@ -124,9 +124,9 @@ def compose_config(
             default = OmegaConf.to_container(default)
         plain = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
         plain = list(plain) if isinstance(plain, tuple) else plain
-        why = _value_problem(default, plain) or run_value_problem("segment", path, default, plain)
+        why = value_problem(default, plain) or run_value_problem("segment", path, default, plain)
         if why is not None:
-            raise ValueError(f"{key}={plain!r}: {why} (the default is {_show(default)})")
+            raise ValueError(f"{key}={plain!r}: {why} (the default is {show_default(default)})")
         OmegaConf.update(cfg, path, value, merge=False)
     return cfg
 

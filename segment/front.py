@@ -136,7 +136,7 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _value_problem(default: Any, value: Any) -> str | None:
+def value_problem(default: Any, value: Any) -> str | None:
     """Why ``value`` cannot replace a setting whose default is ``default``, or ``None``.
 
     Only what is certain from the default's type: a number (or a list of numbers) given a
@@ -192,7 +192,7 @@ def run_value_problem(command: str, key: str, default: Any, value: Any) -> str |
     return None
 
 
-def _show(v: Any) -> str:
+def show_default(v: Any) -> str:
     return "null" if v is None else repr(v)
 
 
@@ -254,10 +254,10 @@ def check_overrides(command: str, config_name: str, args: Sequence[str]) -> Any:
         default = _get(tree, key)
         if default is not _MISSING:
             value = None if o.is_delete() or o.is_sweep_override() else o.value()
-            why = _value_problem(default, value) or run_value_problem(command, key, default, value)
+            why = value_problem(default, value) or run_value_problem(command, key, default, value)
             if why is not None:
                 raise UsageError(f"{key}={o.get_value_element_as_str()}: {why} (the default is "
-                                 f"{_show(default)}); see {command} --help")
+                                 f"{show_default(default)}); see {command} --help")
             continue
         parent = key.rsplit(".", 1)[0] if "." in key else ""
         if any(parent == n or parent.startswith(n + ".") or key.startswith(n + ".") for n in _OPEN_NODES) and (

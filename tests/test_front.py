@@ -161,15 +161,15 @@ def test_the_python_api_checks_values_like_the_command():
 
 
 def test_values_of_the_right_type_pass_the_check():
-    from segment.front import _value_problem
+    from segment.front import value_problem
 
     for default, value in [(0.2, 1), (0.2, 1e-1), (224, [336, 448]), (224, 448.0), (0.03, None),
                            (True, False), (True, 0), (8, "${oc.env:B}"), ("auto", "cpu"),
                            ([-1], [-2, -1]), ([-1], None), ([0], [3.0]), (None, "x")]:
-        assert _value_problem(default, value) is None, (default, value)
-    assert _value_problem(True, 2) == "expected true or false"
-    assert _value_problem(8, True) == "expected a number"
-    assert _value_problem([-1], "all") == "expected a list of numbers, e.g. [-1]"
+        assert value_problem(default, value) is None, (default, value)
+    assert value_problem(True, 2) == "expected true or false"
+    assert value_problem(8, True) == "expected a number"
+    assert value_problem([-1], "all") == "expected a list of numbers, e.g. [-1]"
 
 
 def test_groups_a_command_does_not_use(tmp_path):
