@@ -447,7 +447,8 @@ def test_region_grow_falls_back_to_cls_threshold_without_a_split():
 
 def test_multiclass_experiment_grid_vs_tokenrank_seeds(tmp_path):
     """experiment=regions_cityscapes27 end to end on a small fixture of the Cityscapes
-    layout: both seeding rows are scored with per-image Hungarian matching."""
+    layout: the DiffSeg-protocol rows and the project-recipe rows, grid and TokenRank seeds,
+    are scored with per-image Hungarian matching."""
     import json
 
     from hydra import compose, initialize_config_module
@@ -473,14 +474,16 @@ def test_multiclass_experiment_grid_vs_tokenrank_seeds(tmp_path):
         cfg = compose("eval", overrides=[
             "experiment=regions_cityscapes27", "model=vit_tiny_random", "model.image_size=56",
             "device=cpu", "progress=false", f"dataset.root={root}", "dataset.size=[56,56]",
-            f"output={out}", "batch_size=2", "panels=0", "methods.tokenrank_seeds.num_seeds=16",
+            f"output={out}", "batch_size=2", "panels=0", "methods.diffseg_tokenrank.num_seeds=16",
+            "methods.regions_tokenrank.num_seeds=16",
         ])
     assert run_eval(cfg) == 0
     rows = json.loads((out / "results.json").read_text())
-    assert [r["method"] for r in rows] == ["grid_seeds", "tokenrank_seeds"]
+    assert [r["method"] for r in rows] == ["diffseg_grid", "diffseg_tokenrank", "regions_grid",
+                                           "regions_tokenrank"]
     from segment.datasets.multiclass import CITYSCAPES27_CLASSES as names
 
-    for r in rows:  # two flat halves: both rows split them exactly (measured: 100 / 100)
+    for r in rows:  # two flat halves: every row splits them exactly (measured: 100 / 100)
         assert r["images"] == 2 and len(r["iou"]) == 27
         assert r["pixAcc"] == pytest.approx(100.0) and r["mIoU"] == pytest.approx(100.0)
         seen = {c: x for c, x in r["iou"].items() if x is not None}
