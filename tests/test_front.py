@@ -87,22 +87,17 @@ def test_unknown_keys_exit_2_with_a_suggestion(tmp_path, cmd, arg, key, hint):
     _nothing_created(tmp_path)
 
 
-@pytest.mark.parametrize("cmd", ["segment", "segment-eval"])
-@pytest.mark.parametrize("arg,why", [
+_WRONG_TYPE = [  # either command
     ("method.tau=oops", "expected a number (the default is 0.2)"),
     ("batch_size=abc", "expected a number (the default is"),
     ("model.image_size=[33a,448]", "expected a number (the default is 224)"),
     ("method.refine_steps=2.5", "expected a whole number (the default is 3)"),
     ("method.connectivity=maybe", "expected true or false (the default is True)"),
-])
-def test_a_value_of_the_wrong_type_is_named_in_one_line(tmp_path, cmd, arg, why):
-    extra = ["dataset.root=/nowhere"] if cmd == "segment-eval" else []
-    line = _one_line_error(run(cmd, arg, *extra, cwd=tmp_path), arg)
-    assert line.startswith(f"{cmd}: {arg}: {why}"), line
-    _nothing_created(tmp_path)
+]
 
 
 @pytest.mark.parametrize("cmd,arg,why", [
+    *[(cmd, arg, why) for cmd in ("segment", "segment-eval") for arg, why in _WRONG_TYPE],
     # settings whose default is null (auto) are whole numbers with a lowest value
     ("segment", "max_pixels=abc", "expected a whole number >= 1 (the default is null)"),
     ("segment", "max_pixels=-5", "expected a whole number >= 1 (the default is null)"),
@@ -120,7 +115,7 @@ def test_a_value_of_the_wrong_type_is_named_in_one_line(tmp_path, cmd, arg, why)
     # an empty input (an unset shell variable) is not "the bundled examples"
     ("segment", "input=", "empty; give a folder or an image, or leave out input= for the bundled examples"),
 ])
-def test_run_settings_out_of_range_are_named_in_one_line(tmp_path, cmd, arg, why):
+def test_a_value_of_the_wrong_type_or_range_is_named_in_one_line(tmp_path, cmd, arg, why):
     extra = ["dataset.root=/nowhere"] if cmd == "segment-eval" else []
     line = _one_line_error(run(cmd, arg, *extra, cwd=tmp_path), arg)
     assert line.startswith(f"{cmd}: {arg}: {why}"), line
