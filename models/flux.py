@@ -61,8 +61,8 @@ from torch import Tensor
 
 from segment.concept import normalize_concepts
 from segment.models.base import Backbone
+from segment.models.hub import hub_offline, hub_reachable
 from segment.record import AttentionRecord, Capture, TokenLayout
-from segment.models.vit import _hub_offline
 from segment.reduce import AttentionReducer
 from segment.utils import resolve_device
 
@@ -1020,10 +1020,8 @@ def _hub_unavailable(repo_id: str, revision: str | None) -> str | None:
     is in the cache, else why it cannot."""
     from huggingface_hub import constants, try_to_load_from_cache
 
-    from segment.models.vit import _hub_reachable
-
     offline = getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)()
-    why = "HF_HUB_OFFLINE is set" if offline else _hub_reachable(constants.ENDPOINT)
+    why = "HF_HUB_OFFLINE is set" if offline else hub_reachable(constants.ENDPOINT)
     if why is None:
         return None
     cached = try_to_load_from_cache(repo_id, "transformer/config.json", cache_dir=constants.HF_HUB_CACHE,
@@ -1109,7 +1107,7 @@ def flux_pretrained(
         why = None if local_files_only else _hub_unavailable(repo_id, revision)
         try:
             if why == "cached":
-                with _hub_offline():
+                with hub_offline():
                     comps = load_components(repo_id, dtype=dt, vae_dtype=vae_dt, revision=revision,
                                             local_files_only=True)
             elif why is not None:

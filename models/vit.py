@@ -51,6 +51,7 @@ from PIL import Image
 from torch import Tensor
 
 from segment.models.base import Backbone
+from segment.models.hub import hub_offline, hub_reachable
 from segment.record import AttentionRecord, Capture, TokenLayout
 from segment.reduce import AttentionReducer
 from segment.utils import resolve_device
@@ -153,39 +154,8 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     return sd
 
 
-def _hub_reachable(endpoint: str, timeout: float = 3.0) -> str | None:
-    """``None`` when a TCP connection to the hub's host opens within ``timeout`` seconds,
-    else the reason (one short phrase)."""
-    import socket
-    import urllib.parse
-
-    u = urllib.parse.urlsplit(endpoint)
-    host = u.hostname or endpoint
-    port = u.port or (443 if u.scheme == "https" else 80)
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return None
-    except OSError as e:
-        return f"{endpoint} unreachable: {e.strerror or type(e).__name__}"
-
-
 class _Captured(Exception):  # noqa: N818 - control flow, not an error
     """Raised by the hook of the last captured layer: the rest of the forward is not needed."""
-
-
-class _hub_offline:  # noqa: N801 - used as a context manager
-    """Offline mode of the Hugging Face hub client for the duration of a block."""
-
-    def __enter__(self) -> None:
-        from huggingface_hub import constants
-
-        self._old = constants.HF_HUB_OFFLINE
-        constants.HF_HUB_OFFLINE = True
-
-    def __exit__(self, *exc: object) -> None:
-        from huggingface_hub import constants
-
-        constants.HF_HUB_OFFLINE = self._old
 
 
 def check_pretrained_reachable(arch: str, name: str | None = None) -> bool:
@@ -199,7 +169,8 @@ def check_pretrained_reachable(arch: str, name: str | None = None) -> bool:
 
     Returns:
         ``True`` when the weights are cached and the hub is not reachable: load them with
-        the hub client in offline mode (see :func:`_hub_offline`), which skips its retries.
+        the hub client in offline mode (:class:`segment.models.hub.hub_offline`), which
+        skips its retries.
 
     Raises:
         RuntimeError: one message naming ``model.checkpoint=PATH`` and the cache folder.
@@ -218,7 +189,7 @@ def check_pretrained_reachable(arch: str, name: str | None = None) -> bool:
     cached = any(isinstance(try_to_load_from_cache(repo, fn, cache_dir=constants.HF_HUB_CACHE), str)
                  for fn in filter(None, names))
     if cached:
-        return not offline and _hub_reachable(constants.ENDPOINT) is not None
+        return not offline and hub_reachable(constants.ENDPOINT) is not None
     url = getattr(pcfg, "url", None)
     if url:
         old = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url.split("?")[0])
@@ -227,7 +198,7 @@ def check_pretrained_reachable(arch: str, name: str | None = None) -> bool:
     if offline:
         why = "HF_HUB_OFFLINE is set"
     else:
-        why = _hub_reachable(constants.ENDPOINT)
+        why = hub_reachable(constants.ENDPOINT)
         if why is None:
             return False
     raise RuntimeError(
@@ -293,7 +264,7 @@ class TimmViT(Backbone):
         elif pretrained:
             cache_only = check_pretrained_reachable(arch, self.name)
             try:
-                with _hub_offline() if cache_only else contextlib.nullcontext():
+                with hub_offline() if cache_only else contextlib.nullcontext():
                     model = timm.create_model(arch, pretrained=True, **kwargs)
             except Exception as e:  # noqa: BLE001 - hub / network / cache errors vary
                 raise RuntimeError(

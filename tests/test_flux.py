@@ -432,11 +432,10 @@ def test_no_network_and_no_cache_fails_at_once(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
     import segment.models.flux as flux
-    import segment.models.vit as vit
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(vit, "_hub_reachable", lambda endpoint, timeout=3.0: f"{endpoint} unreachable: test")
+    monkeypatch.setattr(flux, "hub_reachable", lambda endpoint, timeout=3.0: f"{endpoint} unreachable: test")
     asked = []
     monkeypatch.setattr(flux, "load_components", lambda *a, **k: asked.append(k) or (_ for _ in ()).throw(OSError("x")))
     t0 = time.perf_counter()

@@ -1,0 +1,35 @@
+"""The Hugging Face hub, asked once and briefly: is it reachable, and its client's offline
+mode for a block (loading cached weights without the client's minute of retries)."""
+
+from __future__ import annotations
+
+
+def hub_reachable(endpoint: str, timeout: float = 3.0) -> str | None:
+    """``None`` when a TCP connection to the hub's host opens within ``timeout`` seconds,
+    else the reason (one short phrase)."""
+    import socket
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(endpoint)
+    host = u.hostname or endpoint
+    port = u.port or (443 if u.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as e:
+        return f"{endpoint} unreachable: {e.strerror or type(e).__name__}"
+
+
+class hub_offline:  # noqa: N801 - used as a context manager
+    """Offline mode of the Hugging Face hub client for the duration of a block."""
+
+    def __enter__(self) -> None:
+        from huggingface_hub import constants
+
+        self._old = constants.HF_HUB_OFFLINE
+        constants.HF_HUB_OFFLINE = True
+
+    def __exit__(self, *exc: object) -> None:
+        from huggingface_hub import constants
+
+        constants.HF_HUB_OFFLINE = self._old
