@@ -852,8 +852,10 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
 
     t0 = time.perf_counter()
     timing = _Timing()
+    if todo or ctx.distributed:  # under torchrun every rank checks, so all refuse alike
+        backbone = _build_backbone(cfg, ctx, specs, timing)
     if todo:
-        _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at, fallbacks, timing)
+        _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at, fallbacks, timing, backbone)
     elapsed = time.perf_counter() - t0 - timing.build_s
 
     # one collective: every rank's per-image states and prompt fallbacks together
@@ -932,21 +934,27 @@ scoring; rank 0); ``method_ms_per_image``, this method's own time per image. ``n
 when the row came from the metric cache only."""
 
 
-def _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at, fallbacks,
-           timing: _Timing) -> None:
-    from torch.utils.data import DataLoader, Subset
-    from tqdm import tqdm
-
+def _build_backbone(cfg, ctx, specs, timing: _Timing) -> Any:
+    """The model, with every method's capture checked against it (layers it lacks etc.):
+    before the first batch, one line, exit 2."""
     t_build = time.perf_counter()
     backbone = _instantiate_model(cfg, ctx.device)
-    for s in specs:  # layers the model lacks etc.: before the first batch, one line, exit 2
+    for s in specs:
         try:
             s.method.capture(backbone.num_layers)
         except (ValueError, TypeError) as e:
             raise ConfigError(f"method {s.label!r} cannot run on this model: {e}") from e
+    timing.build_s = time.perf_counter() - t_build
+    return backbone
+
+
+def _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at, fallbacks,
+           timing: _Timing, backbone: Any) -> None:
+    from torch.utils.data import DataLoader, Subset
+    from tqdm import tqdm
+
     prompted = hasattr(backbone, "default_class")  # text-conditioned (FLUX)
     default_class = getattr(backbone, "default_class", None)
-    timing.build_s = time.perf_counter() - t_build
     panels = int(cfg.get("panels", 4) or 0)
     loader = DataLoader(
         Subset(dataset, todo),

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 def hub_reachable(endpoint: str, timeout: float = 3.0) -> str | None:
     """``None`` when a TCP connection to the hub's host opens within ``timeout`` seconds,
-    else the reason (one short phrase)."""
+    else the reason (one short phrase). Behind a proxy (``HTTPS_PROXY`` etc. cover the
+    host) a direct connection says nothing: ``None``, and the hub client decides."""
     import socket
     import urllib.parse
+    import urllib.request
 
     u = urllib.parse.urlsplit(endpoint)
     host = u.hostname or endpoint
+    if urllib.request.getproxies().get(u.scheme or "https") and not urllib.request.proxy_bypass(host):
+        return None
     port = u.port or (443 if u.scheme == "https" else 80)
     try:
         with socket.create_connection((host, port), timeout=timeout):

@@ -154,28 +154,34 @@ def value_problem(default: Any, value: Any) -> str | None:
         if isinstance(default, int) and not all(isinstance(v, int) or float(v).is_integer() for v in items):
             return "expected a whole number"
     if isinstance(default, list) and default and all(_is_number(v) for v in default):
+        # one number stands for a list of one (layers=-1) or both sides (image_size=448)
         example = "[" + ",".join(str(v) for v in default) + "]"
-        if not isinstance(value, list) or not all(_is_number(v) for v in value):
-            return f"expected a list of numbers, e.g. {example}"
+        items = value if isinstance(value, list) else [value]
+        if not all(_is_number(v) for v in items):
+            return f"expected a number or a list of numbers, e.g. {example}"
         if all(isinstance(v, int) for v in default) and not all(
-            isinstance(v, int) or float(v).is_integer() for v in value
+            isinstance(v, int) or float(v).is_integer() for v in items
         ):
-            return f"expected a list of whole numbers, e.g. {example}"
+            return f"expected whole numbers, e.g. {example}"
     return None
 
 
 # run settings that are whole numbers with a lowest value (several default to null = auto,
 # which the type check above cannot see): command -> key -> lowest
 WHOLE_AT_LEAST = {
-    "segment": {"batch_size": 1, "num_workers": 0, "max_pixels": 1, "min_size": 1},
+    "segment": {"batch_size": 1, "num_workers": 0, "max_pixels": 1, "min_size": 0},
     "segment-eval": {"batch_size": 1, "num_workers": 0, "limit": 1, "bootstrap": 0, "panels": 0},
 }
+# ... of which these also take null (a default of null, or null read as 0 by the run)
+_NULL_OK = {"segment-eval": ("num_workers", "panels")}
+# ... and these a float with a whole value (a pixel count written 2e8)
+_FLOAT_OK = ("max_pixels",)
 
 
 def run_value_problem(command: str, key: str, default: Any, value: Any) -> str | None:
     """Why ``value`` cannot be the run setting ``key`` of ``command`` (or ``None``): the
-    whole-number settings of :data:`WHOLE_AT_LEAST` (``null`` only where that is the
-    default), and ``input`` (a path; empty is refused: an unset shell variable)."""
+    whole-number settings of :data:`WHOLE_AT_LEAST` (``null`` where that is the default or
+    means 0), and ``input`` (a path; empty is refused: an unset shell variable)."""
     if command == "segment" and key == "input":
         if value is not None and str(value).strip() == "":
             return "empty; give a folder or an image, or leave out input= for the bundled examples"
@@ -184,10 +190,12 @@ def run_value_problem(command: str, key: str, default: Any, value: Any) -> str |
     if low is None:
         return None
     if value is None:
-        return None if default is None else f"expected a whole number >= {low}"
+        ok = default is None or key in _NULL_OK.get(command, ())
+        return None if ok else f"expected a whole number >= {low}"
     if isinstance(value, str) and "${" in value:
         return None
-    if not _is_number(value) or not float(value).is_integer() or value < low:
+    whole = isinstance(value, int) or (key in _FLOAT_OK and _is_number(value) and float(value).is_integer())
+    if not _is_number(value) or not whole or value < low:
         return f"expected a whole number >= {low}"
     return None
 
@@ -253,7 +261,9 @@ def check_overrides(command: str, config_name: str, args: Sequence[str]) -> Any:
             continue
         default = _get(tree, key)
         if default is not _MISSING:
-            value = None if o.is_delete() or o.is_sweep_override() else o.value()
+            if o.is_delete() or o.is_sweep_override():  # Hydra's own business (it refuses them)
+                continue
+            value = o.value()
             why = value_problem(default, value) or run_value_problem(command, key, default, value)
             if why is not None:
                 raise UsageError(f"{key}={o.get_value_element_as_str()}: {why} (the default is "

@@ -648,6 +648,22 @@ def test_torchrun_two_ranks_equal_one(folder, tmp_path):
     assert "| method | pixAcc |" in r2.stdout and r2.stdout.count("| bounce |") == 1  # rank 0 prints
 
 
+def test_torchrun_a_method_the_model_cannot_run_stops_every_rank(folder, tmp_path):
+    """A rank without images (limit=1 over 2 ranks) checks the methods against the model
+    too, so both ranks stop with exit 2 instead of one waiting for the other's results."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    if torchrun is None:
+        pytest.skip("torchrun not installed next to this Python")
+    r = subprocess.run(
+        [torchrun, "--nnodes=1", "--nproc_per_node=2", f"--master_port={_free_port()}", "-m", "segment.eval",
+         *TINY, f"dataset.root={folder}", "method.layers=[20]", "limit=1", f"output={tmp_path / 'out'}"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240,
+    )
+    logs = r.stdout + r.stderr
+    assert r.returncode != 0 and logs.count("cannot run on this model: layer 20 out of range") == 2, logs[-3000:]
+    assert "exitcode  : 2" in logs and not (tmp_path / "out").exists(), logs[-3000:]
+
+
 # ------------------------------------------------------------------------------ shared assets
 
 ECSSD_REFERENCE = {"pixAcc": 87.74, "mIoU": 72.64, "mIoU_CA": 78.15, "mAP": 89.89}

@@ -102,16 +102,18 @@ _WRONG_TYPE = [  # either command
     ("segment", "max_pixels=abc", "expected a whole number >= 1 (the default is null)"),
     ("segment", "max_pixels=-5", "expected a whole number >= 1 (the default is null)"),
     ("segment", "num_workers=abc", "expected a whole number >= 0 (the default is null)"),
-    ("segment", "min_size=2.5", "expected a whole number >= 1 (the default is null)"),
+    ("segment", "min_size=2.5", "expected a whole number >= 0 (the default is null)"),
     ("segment", "batch_size=0", "expected a whole number >= 1 (the default is 8)"),
     ("segment-eval", "limit=abc", "expected a whole number >= 1 (the default is null)"),
     ("segment-eval", "limit=0", "expected a whole number >= 1 (the default is null)"),
     ("segment-eval", "panels=-1", "expected a whole number >= 0 (the default is 4)"),
     ("segment-eval", "bootstrap=-3", "expected a whole number >= 0 (the default is 1000)"),
     # a list of layer indices given a word or one number
-    ("segment", "method.layers=abc", "expected a list of numbers, e.g. [-1] (the default is [-1])"),
-    ("segment-eval", "method.layers=3", "expected a list of numbers, e.g. [-1] (the default is [-1])"),
-    ("segment", "method.layers=[-1.5]", "expected a list of whole numbers, e.g. [-1]"),
+    ("segment", "method.layers=abc", "expected a number or a list of numbers, e.g. [-1] (the default is [-1])"),
+    ("segment-eval", "method.layers=[a]", "expected a number or a list of numbers, e.g. [-1]"),
+    ("segment", "method.layers=[-1.5]", "expected whole numbers, e.g. [-1]"),
+    ("segment", "batch_size=2.0", "expected a whole number >= 1 (the default is 8)"),
+    ("segment", "min_size=-1", "expected a whole number >= 0 (the default is null)"),
     # an empty input (an unset shell variable) is not "the bundled examples"
     ("segment", "input=", "empty; give a folder or an image, or leave out input= for the bundled examples"),
 ])
@@ -147,12 +149,13 @@ def test_the_python_api_checks_values_like_the_command():
                     (dict(connectivity="no"), "connectivity='no': expected true or false"),
                     (dict(batch_size=0), "batch_size=0: expected a whole number >= 1 (the default is 8)"),
                     (dict(max_pixels=-5), "max_pixels=-5: expected a whole number >= 1 (the default is null)"),
-                    (dict(layers="abc"), "layers='abc': expected a list of numbers, e.g. [-1]")]:
+                    (dict(layers="abc"), "layers='abc': expected a number or a list of numbers, e.g. [-1]")]:
         with pytest.raises(ValueError) as e:
             compose_config(**kw)
         assert str(e.value).startswith(why), (kw, str(e.value))
     cfg = compose_config(layers=(-2,), image_size=[336, 448], max_pixels=None, **{"method.tau": 0.1})
     assert list(cfg.method.layers) == [-2] and cfg.method.tau == 0.1
+    assert compose_config(layers=-1).method.layers == -1  # one layer as a number, as before
 
 
 def test_values_of_the_right_type_pass_the_check():
@@ -164,7 +167,20 @@ def test_values_of_the_right_type_pass_the_check():
         assert value_problem(default, value) is None, (default, value)
     assert value_problem(True, 2) == "expected true or false"
     assert value_problem(8, True) == "expected a number"
-    assert value_problem([-1], "all") == "expected a list of numbers, e.g. [-1]"
+    assert value_problem([-1], "all") == "expected a number or a list of numbers, e.g. [-1]"
+    assert value_problem([-1], -2) is None and value_problem([224, 224], 448) is None  # one number
+    from segment.front import run_value_problem
+
+    assert run_value_problem("segment-eval", "panels", 4, None) is None  # null = 0 there
+    assert run_value_problem("segment", "max_pixels", None, 2e8) is None  # a count written 2e8
+    assert run_value_problem("segment", "min_size", None, 0) is None  # 0 = one patch
+    assert run_value_problem("segment", "batch_size", 8, None) == "expected a whole number >= 1"
+
+
+def test_a_sweep_without_multirun_is_hydras_one_line_error(tmp_path):
+    line = _one_line_error(run("segment-eval", "batch_size=1,2", "dataset.root=/nowhere", cwd=tmp_path), "batch_size")
+    assert "Ambiguous value" in line, line
+    _nothing_created(tmp_path)
 
 
 def test_groups_a_command_does_not_use(tmp_path):
