@@ -61,7 +61,7 @@ from torch import Tensor
 
 from segment.concept import normalize_concepts
 from segment.models.base import Backbone
-from segment.models.hub import hub_offline, hub_reachable
+from segment.models.hub import hub_offline, hub_unavailable
 from segment.record import AttentionRecord, Capture, TokenLayout
 from segment.reduce import AttentionReducer
 from segment.utils import resolve_device
@@ -1020,8 +1020,7 @@ def _hub_unavailable(repo_id: str, revision: str | None) -> str | None:
     is in the cache, else why it cannot."""
     from huggingface_hub import constants, try_to_load_from_cache
 
-    offline = getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)()
-    why = "HF_HUB_OFFLINE is set" if offline else hub_reachable(constants.ENDPOINT)
+    why = hub_unavailable()
     if why is None:
         return None
     cached = try_to_load_from_cache(repo_id, "transformer/config.json", cache_dir=constants.HF_HUB_CACHE,

@@ -24,6 +24,15 @@ def hub_reachable(endpoint: str, timeout: float = 3.0) -> str | None:
         return f"{endpoint} unreachable: {e.strerror or type(e).__name__}"
 
 
+def hub_unavailable() -> str | None:
+    """Why the hub client cannot download now (``HF_HUB_OFFLINE``, or the endpoint does not
+    answer: :func:`hub_reachable`), or ``None`` when it can be asked."""
+    from huggingface_hub import constants
+
+    offline = getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)()
+    return "HF_HUB_OFFLINE is set" if offline else hub_reachable(constants.ENDPOINT)
+
+
 class hub_offline:  # noqa: N801 - used as a context manager
     """Offline mode of the Hugging Face hub client for the duration of a block."""
 

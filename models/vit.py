@@ -51,7 +51,7 @@ from PIL import Image
 from torch import Tensor
 
 from segment.models.base import Backbone
-from segment.models.hub import hub_offline, hub_reachable
+from segment.models.hub import hub_offline, hub_unavailable
 from segment.record import AttentionRecord, Capture, TokenLayout
 from segment.reduce import AttentionReducer
 from segment.utils import resolve_device
@@ -183,24 +183,20 @@ def check_pretrained_reachable(arch: str, name: str | None = None) -> bool:
         return  # weights from a plain URL only: timm's own download and errors
     from huggingface_hub import constants, try_to_load_from_cache
 
-    offline = getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)()
     names = [getattr(pcfg, "hf_hub_filename", None), "model.safetensors", "pytorch_model.bin",
              "open_clip_model.safetensors", "open_clip_pytorch_model.bin"]
     cached = any(isinstance(try_to_load_from_cache(repo, fn, cache_dir=constants.HF_HUB_CACHE), str)
                  for fn in filter(None, names))
-    if cached:
-        return not offline and hub_reachable(constants.ENDPOINT) is not None
+    if cached:  # offline too: the hub client's offline mode then only restates HF_HUB_OFFLINE
+        return hub_unavailable() is not None
     url = getattr(pcfg, "url", None)
     if url:
         old = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url.split("?")[0])
         if old.is_file():
             return False
-    if offline:
-        why = "HF_HUB_OFFLINE is set"
-    else:
-        why = hub_reachable(constants.ENDPOINT)
-        if why is None:
-            return False
+    why = hub_unavailable()
+    if why is None:
+        return False
     raise RuntimeError(
         f"{name or arch}: pretrained weights {repo} are not in the cache "
         f"{constants.HF_HUB_CACHE} and cannot be downloaded ({why}); pass a local file with "

@@ -432,10 +432,11 @@ def test_no_network_and_no_cache_fails_at_once(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
     import segment.models.flux as flux
+    import segment.models.hub as hub
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(flux, "hub_reachable", lambda endpoint, timeout=3.0: f"{endpoint} unreachable: test")
+    monkeypatch.setattr(hub, "hub_reachable", lambda endpoint, timeout=3.0: f"{endpoint} unreachable: test")
     asked = []
     monkeypatch.setattr(flux, "load_components", lambda *a, **k: asked.append(k) or (_ for _ in ()).throw(OSError("x")))
     t0 = time.perf_counter()
