@@ -15,6 +15,11 @@ busy machine slows both alike; the medians are reported.
   records, ``annotations.json``, ``index.html`` and ``run.json``. Only building the model is
   left out (done once, before timing).
 
+  On a CPU the run may fork worker processes (:mod:`segment.workers`); their CPU time is
+  counted with the pipeline's.
+- ``--against 'processes=1'``: the pipeline with other settings in the same rounds (the
+  order alternates), for an A/B on the same machine minutes.
+
 The target (issues 3 and 13) is ``pipeline >= 0.75 x bare``, at 224 and 448 px
 (``--size 448``). Besides the two images/s it prints the ratio of CPU seconds per image,
 the machine's idle core time while each side ran (Linux ``/proc/stat``; on an otherwise
@@ -62,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--workers", type=int, default=None, help="segment num_workers (default: config)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (median)")
+    p.add_argument("--against", default=None, metavar="OVERRIDES",
+                   help="also time the pipeline with these Hydra overrides (space-separated, e.g. "
+                        "'processes=1') in every round, in alternating order with the default: an A/B "
+                        "on the same machine minutes")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     p.add_argument("--config-dir", type=Path, default=None,
                    help="a config folder instead of the packaged segment.configs")
@@ -122,6 +131,18 @@ def _idle_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -
     if before is None or after is None or after[1] <= before[1]:
         return None
     return (after[0] - before[0]) / (after[1] - before[1])
+
+
+def _cpu_with_workers() -> float:
+    """CPU seconds of this process and of its ended children (``segment``'s worker
+    processes, :mod:`segment.workers`)."""
+    t = time.process_time()
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return t
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return t + ru.ru_utime + ru.ru_stime
 
 
 def _sync(device: torch.device) -> None:
@@ -235,7 +256,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             method(backbone.extract(batches[0], capture))
         _sync(device)
 
-        bare, pipe_proc, pipe_total, runs = [], [], [], []
+        bare, pipe_proc, pipe_total, runs, alt_total = [], [], [], [], []
+        against = args.against.split() if args.against else None
+        alt_processes = None
         bare_cpu, pipe_cpu, bare_idle, pipe_idle = [], [], [], []
         for r in range(args.repeats):
             _sync(device)
@@ -247,24 +270,33 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             bare_cpu.append((time.process_time() - c0) / n)
             bare_idle.append(_idle_share(j0, _cpu_jiffies()))
 
-            out = tmp / f"out{r}"
-            cfg_r = _compose(args, base + [f"input='{src}'", f"output='{out}'"])
-            run = SegmentRun(cfg_r, backbone=backbone, method=method)
-            j0, c0, t0 = _cpu_jiffies(), time.process_time(), time.perf_counter()
-            code = run.run()
-            total = time.perf_counter() - t0
-            pipe_cpu.append((time.process_time() - c0) / n)
-            pipe_idle.append(_idle_share(j0, _cpu_jiffies()))
-            if code != 0:
-                raise SystemExit(f"the pipeline run failed with exit code {code}; see {out}/run.json")
-            pipe_total.append(n / total)
-            pipe_proc.append(n / run.t.processing_s)
-            runs.append({k: round(v, 4) for k, v in run.t.__dict__.items() if isinstance(v, float)})
+            sides = ["default", "against"] if against is not None else ["default"]
+            for side in sides if r % 2 == 0 else sides[::-1]:  # alternating order
+                out = tmp / f"{'out' if side == 'default' else 'against'}{r}"
+                cfg_r = _compose(args, base + (against if side == "against" else []) +
+                                 [f"input='{src}'", f"output='{out}'"])
+                run = SegmentRun(cfg_r, backbone=backbone, method=method)
+                j0, c0, t0 = _cpu_jiffies(), _cpu_with_workers(), time.perf_counter()
+                code = run.run()
+                total = time.perf_counter() - t0
+                if code != 0:
+                    raise SystemExit(f"the pipeline run failed with exit code {code}; see {out}/run.json")
+                if side == "against":
+                    alt_total.append(n / total)
+                    alt_processes = run.processes
+                    continue
+                pipe_cpu.append((_cpu_with_workers() - c0) / n)
+                pipe_idle.append(_idle_share(j0, _cpu_jiffies()))
+                pipe_total.append(n / total)
+                processes = run.processes
+                pipe_proc.append(n / run.t.processing_s)
+                runs.append({k: round(v, 4) for k, v in run.t.__dict__.items() if isinstance(v, float)})
             # every round's files stay until the end (the temporary folder goes then): on ext4
             # without a journal, creating a file skips the inodes deleted in the last minute
             # or so, one by one, so deleting a round's ~500 files made the next round's
             # writes pay ~10 ms of kernel CPU per image (measured here: 0.721 against 0.747)
 
+        cfg_r = _compose(args, base + [f"input='{src}'", f"output='{tmp / 'stages_cfg'}'"])
         stages = _stage_costs(backbone, method, files, batches, n, tmp / "stages", cfg_r)
 
     med = statistics.median
@@ -279,6 +311,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "num_workers": cfg.get("num_workers"),
+        "processes": processes,
         "batch_size": args.batch_size,
         "model_load_s": round(load_s, 3),
         "bare_forward_img_s": [round(v, 3) for v in bare],
@@ -305,6 +338,16 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                                                         + stages["postprocess_write"]), 3),
     }
     result["meets_target"] = result["ratio"] >= result["target_ratio"]
+    if against is not None:
+        result["against"] = {
+            "overrides": against,
+            "processes": alt_processes,
+            "img_s": [round(v, 3) for v in alt_total],
+            "median": round(med(alt_total), 3),
+            "ratio": round(med(a / q for a, q in zip(alt_total, bare)), 3),
+            # the default's images/s over the other's, round by round (> 1: the default is faster)
+            "default_over_against": [round(p / a, 3) for p, a in zip(pipe_total, alt_total)],
+        }
     return result
 
 
@@ -320,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"segment pipeline benchmark: {res['images']} images ({', '.join(res['input_sizes'])} model input), "
           f"{res['model']} [{res['weights']}], {res['method']}, {res['device']}, "
           f"{res['torch_threads']} torch threads (OMP_WAIT_POLICY={res['omp_wait_policy'] or 'unset'}), "
+          f"pipeline in {res['processes']} process{'es' if res['processes'] > 1 else ''}, "
           f"batch {res['batch_size']}")
     print(f"  bare fused forward : {res['bare_forward_median']:8.2f} img/s  (runs {res['bare_forward_img_s']})")
     print(f"  whole pipeline     : {res['pipeline_median']:8.2f} img/s  (runs {res['pipeline_img_s']})")
@@ -335,6 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  stages alone (CPU ms/img): read+preprocess {st['read_preprocess']}, extract+method "
           f"{st['extract_method']}, post-process+write {st['postprocess_write']}; bare forward "
           f"{st['bare_forward']} -> ratio without any overlap {res['serial_ratio']:.3f}")
+    if "against" in res:
+        a = res["against"]
+        faster = sum(v > 1 for v in a["default_over_against"])
+        print(f"  against {' '.join(a['overrides'])} ({a['processes']} process{'es' if a['processes'] > 1 else ''}): "
+              f"{a['median']:.2f} img/s, ratio {a['ratio']:.3f}; default / against per round "
+              f"{a['default_over_against']} (default faster in {faster} of {len(a['default_over_against'])})")
     last = res["pipeline_timings"][-1]
     print("  last pipeline run  : " + ", ".join(f"{k}={v}" for k, v in last.items() if v))
     if args.json:

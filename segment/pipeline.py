@@ -13,7 +13,10 @@ Flow (:func:`run_segment`)::
     ──> annotations.json, index.html, run.json from the records of every image
 
 Helper threads run on one torch thread each; on the CPU the forward gives its threads to
-the busy ones (:class:`CoreSharing`).
+the busy ones (:class:`CoreSharing`). On a CPU (Linux) with two or more torch threads and
+two or more batches to do, the images are split by whole batches over forked worker
+processes (``processes``; :mod:`segment.workers`), each running this flow on its share with
+fewer torch threads, and this process gathers their statuses and records.
 
 The per-batch computation is :class:`segment.api.Segmenter`'s, the object ``segment.load``
 returns, so the command's masks and the API's are the same computation.
@@ -60,7 +63,7 @@ from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 from torch import Tensor
 
-from segment import shard
+from segment import shard, workers
 from segment.api import Segmenter
 from segment.io import (
     IMAGE_EXTENSIONS,
@@ -326,6 +329,10 @@ class SegmentRun:
         self.input_device = torch.device("cpu")  # where the backbone wants its pixels
         self._extracting = threading.Lock()  # one capture at a time (the hooks are per model)
         self.method_threads = torch.get_num_threads()  # the run's torch threads (set in _process)
+        # a worker process (segment.workers) runs on fewer threads than the run; its method
+        # still splits batches as the run's thread count does (Segmenter.apply): the
+        # heatmaps' float rounding depends on the split, so the files stay the same bytes
+        self.split_like_threads = 0
         self.t = _Timings()
         self.statuses: dict[str, _Status] = {}
         self.records: dict[str, ImageRecord] = {}
@@ -340,6 +347,7 @@ class SegmentRun:
         self.writing = False  # set once the output folder is in use: then run-level files are written
         self.mine: list[ImageFile] = []  # this rank's share of files (all of them in one process)
         self.ranks: list[dict[str, Any]] | None = None  # per-rank summaries (torchrun, rank 0)
+        self.processes = 1  # worker processes of this run (segment.workers; set in _run)
 
     # ------------------------------------------------------------------ entry
 
@@ -427,6 +435,12 @@ class SegmentRun:
                 log.debug("building the model/method failed", exc_info=True)
                 return self._fail(f"cannot build the model or method: {_describe(e)}")
             self.t.model_load_s = time.perf_counter() - ts
+            try:
+                self.processes = workers.choose_processes(
+                    self.cfg.get("processes"), device=self.input_device, distributed=self.ctx.distributed,
+                    threads=torch.get_num_threads(), todo=len(todo), batch_size=self.batch_size)
+            except ValueError as e:
+                return self._fail(f"bad settings: {e}")
         try:
             self.out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -436,7 +450,10 @@ class SegmentRun:
             ts = time.perf_counter()
             try:
                 with single_threaded_rendering():  # the writer threads are the parallelism
-                    self._process(todo)
+                    if self.processes > 1:  # CPU: forked workers, each on whole batches
+                        workers.run_in_processes(self, todo, self.processes)
+                    else:
+                        self._process(todo)
             finally:
                 self.t.processing_s = time.perf_counter() - ts
         if self.ctx.distributed:
@@ -585,11 +602,19 @@ class SegmentRun:
         self.statuses[item.file.name] = _Status(item.file.name, item.file.rel, "failed", reason)
         log.warning("skipped %s: %s", item.file.path, reason)
 
-    def _process(self, todo: list[_Item]) -> None:
+    def _progress_bar(self, total: int) -> Any:
         from tqdm import tqdm
+
+        return tqdm(total=total, unit="img", desc="segment", disable=not self.progress, dynamic_ncols=True)
+
+    def _process(self, todo: list[_Item], bar: Any = None) -> None:
+        """Segment ``todo`` in this process (the loader, method and writer threads around
+        the forward in this thread). ``bar``: where progress goes (a worker process's pipe,
+        :mod:`segment.workers`); default a tqdm bar on stderr."""
         from tqdm.contrib.logging import logging_redirect_tqdm
 
-        bar = tqdm(total=len(todo), unit="img", desc="segment", disable=not self.progress, dynamic_ncols=True)
+        redirect = logging_redirect_tqdm if bar is None else contextlib.nullcontext
+        bar = self._progress_bar(len(todo)) if bar is None else bar
         prefetch = max(2 * self.batch_size, 2 * self.num_workers)
         max_pending_writes = max(2 * self.batch_size, 2 * self.num_workers)
         max_held = 4 * self.batch_size  # images waiting in partly filled batches
@@ -600,7 +625,8 @@ class SegmentRun:
         # stage alone on the bundled examples: 28-37 ms of CPU per image instead of 48-52),
         # and a helper that once ran a parallel operator keeps an OpenMP team, which
         # throttles the forward's barriers. The files are the same at any thread count
-        threads = self.method_threads = torch.get_num_threads()
+        threads = torch.get_num_threads()
+        self.method_threads = max(threads, self.split_like_threads)
         one = dict(initializer=torch.set_num_threads, initargs=(1,))
         cores = CoreSharing(threads if self.input_device.type == "cpu" else 1)
         loader = ThreadPoolExecutor(self.num_workers, thread_name_prefix="segment-read", **one)
@@ -691,7 +717,7 @@ class SegmentRun:
                 yield got
 
         try:
-            with logging_redirect_tqdm(), cores:
+            with redirect(), cores:
                 for item in loaded_items():
                     self.t.read_s += item.read_s
                     if item.error is not None:
@@ -786,6 +812,7 @@ class SegmentRun:
                 "ignored": len(self.ignored),
             },
             "device": _device_info(self.device),
+            "processes": self.processes,
             "timings": timings,
             "config": _cfg_dict(self.cfg),
             "versions": package_versions(),

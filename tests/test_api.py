@@ -247,7 +247,8 @@ def test_pipeline_computes_through_the_segmenter(tmp_path, monkeypatch):
         _img(30 + i, 40, i).save(src / f"{i}.png")
     with initialize_config_module(version_base="1.3", config_module="segment.configs"):
         cfg = compose("segment", overrides=[f"input={src}", f"output={tmp_path / 'o'}", "model=vit_tiny_random",
-                                            "device=cpu", "batch_size=2", "progress=false", "render.fsync=false"])
+                                            "device=cpu", "batch_size=2", "progress=false", "render.fsync=false",
+                                            "processes=1"])  # the calls are counted in this process
     assert run_segment(cfg) == 0
     assert calls == {"extract": 3, "apply": 3, "post": 5}
 

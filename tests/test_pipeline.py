@@ -162,7 +162,7 @@ def test_rendering_runs_with_opencv_single_threaded_and_restores_it(tmp_path, mo
     make_folder(src, bad=False)
     cv2.setNumThreads(2)
     try:
-        assert run_segment(compose_cfg(src, out)) == 0
+        assert run_segment(compose_cfg(src, out, "processes=1")) == 0  # seen in this process
         assert seen and set(seen) == {1}  # the writer threads are the parallelism
         assert cv2.getNumThreads() == 2  # the caller's setting is back
     finally:
@@ -268,7 +268,8 @@ def test_batches_hold_one_preprocessed_size(tmp_path, mode):
         bb = CroppingBackbone(inner, lambda im: p * (1 + (im.width - 40)))
         for i in range(n):
             _img(40, 40 + i, i).save(src / f"{i:02d}.png")
-    assert run_segment(compose_cfg(src, tmp_path / "o", f"batch_size={batch}"), backbone=bb) == 0
+    # one process: the batches are seen here (worker processes bucket their shares alike)
+    assert run_segment(compose_cfg(src, tmp_path / "o", f"batch_size={batch}", "processes=1"), backbone=bb) == 0
     assert sum(s[0] for s in bb.shapes) == n
     assert all(s[0] <= batch for s in bb.shapes)
     assert len({s[2:] for s in bb.shapes}) == (2 if mode == "orientation" else n)
@@ -350,7 +351,7 @@ def test_ctrl_c_keeps_finished_images_and_resumes(tmp_path):
     src.mkdir()
     for i in range(8):
         _img(40, 60, i).save(src / f"{i}.png")
-    cfg = compose_cfg(src, out, "batch_size=2")
+    cfg = compose_cfg(src, out, "batch_size=2", "processes=1")  # counted in this process
     method = InterruptAfter(instantiate(cfg.method), n=4)  # two batches done, then Ctrl-C
     assert run_segment(cfg, method=method) == 130
     man = _manifest(out)
@@ -427,6 +428,28 @@ def test_pipeline_benchmark_runs(tmp_path):
         assert res[key] is None or 0 <= res[key] <= 1
 
 
+def test_pipeline_benchmark_against_other_settings(tmp_path):
+    """--against times a second pipeline in every round; worker processes' CPU counts."""
+    from segment.bench_pipeline import main
+
+    out = tmp_path / "bench.json"
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main(["--model", "vit_tiny_random", "--images", "6", "--repeats", "2", "--batch-size", "2",
+                     "--against", "processes=1", "--json", str(out)]) == 0
+    finally:
+        torch.set_num_threads(before)
+    res = json.loads(out.read_text())
+    assert res["processes"] == 2 and res["against"]["processes"] == 1
+    assert res["against"]["overrides"] == ["processes=1"] and len(res["against"]["img_s"]) == 2
+    assert res["against"]["default_over_against"] == [
+        round(p / a, 3) for p, a in zip(res["pipeline_img_s"], res["against"]["img_s"])]
+    # the workers' CPU is counted: at least their reading and writing (the parent only waits)
+    st = res["stages_cpu_ms_per_image"]
+    assert 1000 * res["pipeline_cpu_s_per_image"] > 0.8 * (st["read_preprocess"] + st["postprocess_write"])
+
+
 def test_pipeline_benchmark_idle_share_from_proc_stat(tmp_path):
     """The idle core time between two readings of /proc/stat's first line (idle + iowait
     over user .. steal; guest time is already inside user and nice)."""
@@ -476,7 +499,7 @@ def test_pipeline_benchmark_stages_run_as_the_pipeline_runs_them(tmp_path, monke
     before = torch.get_num_threads()
     try:
         assert main(["--model", "vit_tiny_random", "--images", "4", "--repeats", "1", "--batch-size", "2",
-                     "--workers", "1", "--threads", "2"]) == 0
+                     "--workers", "1", "--threads", "2", "processes=1"]) == 0  # counted here
         assert torch.get_num_threads() == 2  # the benchmark's setting, back after the write stage
     finally:
         torch.set_num_threads(before)
@@ -596,7 +619,7 @@ def test_run_helpers_use_one_torch_thread_and_the_method_splits_over_the_run(tmp
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert run_segment(compose_cfg(tmp_path / "in", tmp_path / "out")) == 0
+        assert run_segment(compose_cfg(tmp_path / "in", tmp_path / "out", "processes=1")) == 0
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
