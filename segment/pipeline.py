@@ -329,10 +329,11 @@ class SegmentRun:
         self.input_device = torch.device("cpu")  # where the backbone wants its pixels
         self._extracting = threading.Lock()  # one capture at a time (the hooks are per model)
         self.method_threads = torch.get_num_threads()  # the run's torch threads (set in _process)
-        # a worker process (segment.workers) runs on fewer threads than the run; its method
-        # still splits batches as the run's thread count does (Segmenter.apply): the
-        # heatmaps' float rounding depends on the split, so the files stay the same bytes
-        self.split_like_threads = 0
+        # whether the method splits each batch in two halves (Segmenter.apply; None: as the
+        # thread count says). A worker process (segment.workers) on one thread still splits
+        # as the run on two would, the halves one after the other: the heatmaps' float
+        # rounding depends on the split, so the files stay the same bytes
+        self.method_halves: bool | None = None
         self.t = _Timings()
         self.statuses: dict[str, _Status] = {}
         self.records: dict[str, ImageRecord] = {}
@@ -566,7 +567,8 @@ class SegmentRun:
         keeps the record, so a failed batch's memory is free before the retries."""
         t0 = time.perf_counter()
         try:
-            out = self.segmenter.apply(held.pop() if held else self._extract(items), threads=self.method_threads)
+            out = self.segmenter.apply(held.pop() if held else self._extract(items), threads=self.method_threads,
+                                       halves=self.method_halves)
         except Exception as e:
             reason = self._batch_failed(items, e)
             if reason is not None:
@@ -625,8 +627,7 @@ class SegmentRun:
         # stage alone on the bundled examples: 28-37 ms of CPU per image instead of 48-52),
         # and a helper that once ran a parallel operator keeps an OpenMP team, which
         # throttles the forward's barriers. The files are the same at any thread count
-        threads = torch.get_num_threads()
-        self.method_threads = max(threads, self.split_like_threads)
+        threads = self.method_threads = torch.get_num_threads()
         one = dict(initializer=torch.set_num_threads, initargs=(1,))
         cores = CoreSharing(threads if self.input_device.type == "cpu" else 1)
         loader = ThreadPoolExecutor(self.num_workers, thread_name_prefix="segment-read", **one)

@@ -196,7 +196,9 @@ def _worker(run: SegmentRun, share: list[_Item], conn: Connection, threads: int)
     for h in list(root.handlers):
         root.removeHandler(h)
     root.addHandler(_PipeHandler(send))
-    run.split_like_threads = torch.get_num_threads()  # the run's: batches split as in one process
+    # the method splits batches as the run's own thread count would, one half after the
+    # other on this worker's thread (Segmenter.apply): the same values, so the same files
+    run.method_halves = torch.get_num_threads() >= 2
     torch.set_num_threads(threads)
     run.statuses, run.records, run.t = {}, {}, _Timings()
     state = "done"
