@@ -305,6 +305,34 @@ def test_apply_runs_a_cpu_batch_as_two_halves_with_the_same_results(method, seed
         assert not split.foreground[:, k:].any()
 
 
+@pytest.mark.parametrize("method", ["regions", "cls_attention"])
+def test_apply_halves_one_after_the_other_equal_the_halves_at_once(method, monkeypatch):
+    """halves=True on one thread (a segment worker process) gives exactly the outputs of the
+    two halves at once on two threads (one process), bit for bit; halves=False runs whole."""
+    torch.manual_seed(103)  # the tiny ViT whose heatmap rounding differs most (see above)
+    seg = segment.load("vit_tiny_random", method=method, device="cpu", image_size=112)
+    record = seg.extract(torch.stack([seg.preprocess(_img(40 + 3 * i, 56, i)) for i in range(5)]))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        at_once = seg.apply(record)
+        torch.set_num_threads(1)
+        seen = []
+        inner = seg.method
+        monkeypatch.setattr(seg, "method", lambda rec: seen.append((rec.batch_size, torch.get_num_threads()))
+                            or inner(rec))
+        in_turn = seg.apply(record, halves=True)
+        assert seen == [(3, 1), (2, 1)]  # in order, on this thread's one torch thread
+        seen.clear()
+        seg.apply(record, threads=2, halves=False)
+        assert seen == [(5, 2)]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(in_turn.heatmap, at_once.heatmap)
+    for a, b in ((in_turn.labels, at_once.labels), (in_turn.foreground, at_once.foreground)):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 def test_concat_outputs_and_record_images():
     from segment.masks import MethodOutput, concat_outputs
     from segment.record import AttentionRecord, TokenLayout
