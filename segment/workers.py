@@ -321,11 +321,11 @@ def _collect(workers: list[_Worker], bar: Any) -> bool:
 
     main = threading.current_thread() is threading.main_thread()  # else no Ctrl-C comes here
     old = signal.signal(signal.SIGINT, on_ctrl_c) if main else None
-    interrupted = False
+    stopping = False
     try:
         while pending:
-            if asked[0] and not interrupted:
-                interrupted = True
+            if asked[0] and not stopping:
+                stopping = True
                 for w in pending.values():
                     if w.proc.is_alive():
                         w.proc.terminate()  # SIGTERM: the worker's KeyboardInterrupt
@@ -346,4 +346,4 @@ def _collect(workers: list[_Worker], bar: Any) -> bool:
     finally:
         if main:
             signal.signal(signal.SIGINT, old)
-    return interrupted or asked[0] > 0
+    return asked[0] > 0
