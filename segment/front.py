@@ -403,7 +403,7 @@ _HELP = {
             ("output=DIR", "the results folder; default: outputs/segment (a rerun resumes)"),
             ("model.checkpoint=PATH", "offline machines: local weights (.safetensors / torch state dict)"),
         ],
-        settings="device=auto|cpu|cuda  batch_size=8  overwrite=false  num_workers  max_pixels  min_size\n"
+        settings="device=auto|cpu|cuda  batch_size=8  overwrite=false  num_workers  processes  max_pixels  min_size\n"
                  "  progress=true  label_upsampling=smooth|nearest\n"
                  "  render.{colormap,overlay_alpha,jpeg_quality,png_compression,thumb_size,fsync}",
     ),
