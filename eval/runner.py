@@ -53,9 +53,6 @@ from typing import Any
 import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from torch import Tensor
-
-import segment
 from segment.datasets.base import DataError
 from segment.eval import dist
 from segment.eval.metrics import (
@@ -70,8 +67,11 @@ from segment.eval.metrics import (
     state_from_dict,
     total,
 )
-from segment.masks import MethodOutput, labels_at, minmax, threshold_mean, to_masks
-from segment.record import AttentionRecord, Capture
+from torch import Tensor
+
+import segment
+from segment.core.masks import MethodOutput, labels_at, minmax, threshold_mean, to_masks
+from segment.core.record import AttentionRecord, Capture
 from segment.utils import (  # noqa: F401  (exit codes re-exported for callers)
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -150,10 +150,12 @@ def source_hash(modules: Sequence[str]) -> str:
     return h.hexdigest()[:12]
 
 
-# the Markov core every attention method runs on (regions imports it lazily)
-_METHOD_CORE = ("segment.markov", "segment.regions", "segment.methods")
+# the Markov core every attention method runs on (regions imports it lazily) and the method
+# modules others build on (the interface, the CLS score of regions and kmeans)
+_METHOD_CORE = ("segment.core.markov", "segment.core.regions", "segment.core.clusters",
+                "segment.methods.base", "segment.methods.attention")
 # what turns a method's output into scores
-_SCORING = ("segment.record", "segment.reduce", "segment.masks", "segment.eval.metrics",
+_SCORING = ("segment.core.record", "segment.core.reduce", "segment.core.masks", "segment.eval.metrics",
             "segment.models.base", "segment.datasets.base")
 
 
@@ -177,7 +179,7 @@ def _compose_method(name: str) -> DictConfig:
         try:
             return compose(config_name=None, overrides=[f"+method={name}"]).method
         except MissingConfigException:
-            from segment.front import config_names, suggest
+            from segment.run.front import config_names, suggest
 
             names = config_names("method")
             raise ConfigError(
@@ -194,7 +196,7 @@ def _compose_method(name: str) -> DictConfig:
 def _with_knobs(config: str, knobs: dict[str, Any], where: str) -> DictConfig:
     """``configs/method/<config>.yaml`` with ``knobs`` set; a knob the config does not have is
     a one-line :class:`ConfigError` naming the entry, the knob and the closest one."""
-    from segment.front import suggest
+    from segment.run.front import suggest
 
     node = _compose_method(config)
     unknown = [str(k) for k in knobs if str(k) not in node]

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from segment.record import AttentionRecord, Capture
+from segment.core.record import AttentionRecord, Capture
 
 
 class Backbone(abc.ABC):

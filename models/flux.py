@@ -18,7 +18,7 @@ are ``D .. D+S-1``; real FLUX: 19 + 38 = 57). It calls the block's own processor
 output (so the model computes exactly what it computes without capture) and recomputes the
 probabilities in fp32 from the block's q and k after the q/k RMS norms and the rotary
 embedding, text tokens first. Each block's ``(B, H, N, N)`` probabilities go straight to the
-shared :class:`~segment.reduce.AttentionReducer` (head fusion, layer averaging), so a run
+shared :class:`~segment.core.reduce.AttentionReducer` (head fusion, layer averaging), so a run
 never holds more than one block's matrices plus the reduced state.
 
 The record uses the layout every method reads: ``TokenLayout(prefix=T, grid=(h, w),
@@ -36,7 +36,7 @@ concept and image attention-output vectors (before the output projections),
 ``extras["concept_scores"]``: ``(B, R, C, P)`` with ``R`` = seeds x layers, ``C`` concepts
 (concept 0 is the class), ``P = h * w`` image tokens, and the same scores with the concept
 vectors normalised per output dimension, ``extras["concept_scores_normalized"]``
-(:func:`segment.concept.normalize_concepts`, ConceptAttention's ``--normalize_concepts``).
+(:func:`segment.core.concept.normalize_concepts`, ConceptAttention's ``--normalize_concepts``).
 
 Loading: from the Hugging Face hub (``repo_id``) or a local diffusers folder
 (``path=DIR`` with ``transformer/ vae/ text_encoder/ text_encoder_2/ tokenizer/
@@ -57,13 +57,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from torch import Tensor
-
-from segment.concept import normalize_concepts
 from segment.models.base import Backbone
 from segment.models.hub import hub_offline, hub_unavailable
-from segment.record import AttentionRecord, Capture, TokenLayout
-from segment.reduce import AttentionReducer
+from torch import Tensor
+
+from segment.core.concept import normalize_concepts
+from segment.core.record import AttentionRecord, Capture, TokenLayout
+from segment.core.reduce import AttentionReducer
 from segment.utils import resolve_device
 
 __all__ = [
@@ -259,7 +259,7 @@ class ForwardCapture:
         output: ``(B, P, C_out)`` model prediction, ``None`` when the forward stopped early.
         concept_scores: layer -> ``(B, C, P)`` concept-image output dot products.
         concept_scores_normalized: the same with the concept vectors normalised per output
-            dimension (:func:`segment.concept.normalize_concepts`).
+            dimension (:func:`segment.core.concept.normalize_concepts`).
         blocks_run: blocks that ran (the forward stops after the last needed one).
     """
 

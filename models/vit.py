@@ -31,7 +31,7 @@ Any timm ``VisionTransformer`` needs one file ``configs/model/<name>.yaml`` and 
 Then ``segment model=dino_vitb16``. A model family timm does not implement as a
 ``VisionTransformer`` (e.g. a diffusion transformer) gets one file in ``models/``
 implementing :class:`~segment.models.base.Backbone` (``preprocess``, ``extract``,
-``forward_plain``), returning the same :class:`~segment.record.AttentionRecord`.
+``forward_plain``), returning the same :class:`~segment.core.record.AttentionRecord`.
 """
 
 from __future__ import annotations
@@ -48,12 +48,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from PIL import Image
-from torch import Tensor
-
 from segment.models.base import Backbone
 from segment.models.hub import hub_offline, hub_unavailable
-from segment.record import AttentionRecord, Capture, TokenLayout
-from segment.reduce import AttentionReducer
+from torch import Tensor
+
+from segment.core.record import AttentionRecord, Capture, TokenLayout
+from segment.core.reduce import AttentionReducer
 from segment.utils import resolve_device
 
 __all__ = ["TimmViT", "check_pretrained_reachable", "load_state_dict", "resample_pos_embed"]
@@ -451,7 +451,7 @@ class TimmViT(Backbone):
 
         Each captured block runs the manual attention path (``fused_attn = False``, the
         others stay fused); a forward hook on its ``attn.attn_drop`` hands the
-        probabilities ``(B, H, N, N)`` to an :class:`~segment.reduce.AttentionReducer` as
+        probabilities ``(B, H, N, N)`` to an :class:`~segment.core.reduce.AttentionReducer` as
         soon as they exist, and a hook on ``attn.k_norm`` the keys ``(B, H, N, D)`` when
         ``capture.keys``. Nothing after the last captured probabilities is run: neither
         the rest of that block (``attn @ v``, the projection, the MLP) nor the blocks
@@ -463,7 +463,7 @@ class TimmViT(Backbone):
             prompts: ignored (image-only model).
 
         Returns:
-            The :class:`~segment.record.AttentionRecord` (attention in fp32, on the model's
+            The :class:`~segment.core.record.AttentionRecord` (attention in fp32, on the model's
             device).
         """
         grid = self._set_grid(pixels)

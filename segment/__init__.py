@@ -19,7 +19,7 @@ __all__ = [*_API, "__version__"]
 
 def __getattr__(name: str) -> Any:
     if name in _API:
-        from segment import api
+        from segment.run import api
 
         return getattr(api, name)
     raise AttributeError(f"module 'segment' has no attribute {name!r}")

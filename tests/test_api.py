@@ -1,4 +1,4 @@
-"""The Python API (segment.api): load, Segmenter, Result, show; and that the `segment`
+"""The Python API (segment.run.api): load, Segmenter, Result, show; and that the `segment`
 command computes through the same object (masks bit-identical)."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 from PIL import Image
 
 import segment
-from segment.api import Result, Segmenter, compose_config, to_image
-from segment.io import read_image
+from segment.run.api import Result, Segmenter, compose_config, to_image
+from segment.run.io import read_image
 
 REPO = Path(__file__).resolve().parents[1]
 SEGMENT = Path(sys.executable).with_name("segment")
@@ -89,11 +89,11 @@ def test_load_builds_what_the_overrides_say():
 
 def test_label_upsampling_setting():
     """``label_upsampling`` decides how the regions reach the image's size: ``smooth`` (the
-    default) and ``nearest`` are the two rules of :func:`segment.masks.labels_at` on the
+    default) and ``nearest`` are the two rules of :func:`segment.core.masks.labels_at` on the
     method's own output, the mask follows the labels, a bad value is refused, and the
     command's fingerprint changes with it (a rerun redoes the images)."""
-    from segment.masks import labels_at
-    from segment.pipeline import config_fingerprint
+    from segment.core.masks import labels_at
+    from segment.run.pipeline import config_fingerprint
 
     im = _img(150, 210, 3)  # 4 x 4 tokens of a 56 px input: ~3x larger
     smooth = segment.load("vit_tiny_random", device="cpu", image_size=56)
@@ -221,7 +221,7 @@ def test_pipeline_computes_through_the_segmenter(tmp_path, monkeypatch):
     Segmenter.postprocess (one code path)."""
     from hydra import compose, initialize_config_module
 
-    from segment.pipeline import run_segment
+    from segment.run.pipeline import run_segment
 
     calls = {"extract": 0, "apply": 0, "post": 0}
     ext, app, post = Segmenter.extract, Segmenter.apply, Segmenter.postprocess
@@ -230,9 +230,9 @@ def test_pipeline_computes_through_the_segmenter(tmp_path, monkeypatch):
         calls["extract"] += 1
         return ext(self, pixels)
 
-    def apply(self, record, **kwargs):
+    def apply(self, record):
         calls["apply"] += 1
-        return app(self, record, **kwargs)
+        return app(self, record)
 
     def postprocess(self, out, index, size):
         calls["post"] += 1
@@ -247,95 +247,30 @@ def test_pipeline_computes_through_the_segmenter(tmp_path, monkeypatch):
         _img(30 + i, 40, i).save(src / f"{i}.png")
     with initialize_config_module(version_base="1.3", config_module="segment.configs"):
         cfg = compose("segment", overrides=[f"input={src}", f"output={tmp_path / 'o'}", "model=vit_tiny_random",
-                                            "device=cpu", "batch_size=2", "progress=false", "render.fsync=false",
-                                            "processes=1"])  # the calls are counted in this process
+                                            "device=cpu", "batch_size=2", "progress=false", "render.fsync=false"])
     assert run_segment(cfg) == 0
     assert calls == {"extract": 3, "apply": 3, "post": 5}
 
 
-@pytest.mark.parametrize("seed", [0, 103])
 @pytest.mark.parametrize("method", ["regions", "cls_attention", "kmeans"])
-def test_apply_runs_a_cpu_batch_as_two_halves_with_the_same_results(method, seed, monkeypatch):
-    """On the CPU with 2 torch threads, Segmenter.apply runs the method on images 0-2 and
-    3-4 of a batch of 5, each on one torch thread; the masks' inputs (labels, foreground)
-    equal the whole batch's, the heatmaps to float rounding. The random weights are seeded
-    (the global generator's state otherwise depends on the tests run before): with seed 103
-    the regions heatmap's min-max normalisation magnifies the rounding to 1.7e-4, the largest
-    of 300 random tiny ViTs (labels and foreground equal in all of them)."""
-    from segment.record import AttentionRecord
-
-    torch.manual_seed(seed)
-    seg = segment.load("vit_tiny_random", method=method, device="cpu", image_size=112)
-    pixels = torch.stack([seg.preprocess(_img(40 + 3 * i, 56, i)) for i in range(5)])
-    record = seg.extract(pixels)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with torch.no_grad():
-            whole = seg.method(record)
-        seen = []
-        inner = seg.method
-
-        def spy(rec: AttentionRecord):
-            seen.append((rec.batch_size, torch.get_num_threads()))
-            return inner(rec)
-
-        monkeypatch.setattr(seg, "method", spy)
-        split = seg.apply(record)
-        assert torch.get_num_threads() == 2
-        # a thread on one torch thread (the command's method thread) told the run's count:
-        # the same halves; a one-image batch runs whole on that count, as the API's does
-        torch.set_num_threads(1)
-        seen_told = len(seen)
-        seg.apply(record, threads=2)
-        seg.apply(record.images(0, 1), threads=2)
-        assert torch.get_num_threads() == 1
-        told = sorted(seen[seen_told:])
-        del seen[seen_told:]
-    finally:
-        torch.set_num_threads(before)
-    assert sorted(seen) == [(2, 1), (3, 1)]
-    assert told == [(1, 2), (2, 1), (3, 1)]
-    # a quarter of one 8-bit level of the heatmap PNG (1/255): the written files agree
-    torch.testing.assert_close(split.heatmap, whole.heatmap, atol=1e-3, rtol=0)
-    if whole.labels is not None:
-        assert torch.equal(split.labels, whole.labels)
-        k = int(whole.labels.max()) + 1
-        assert torch.equal(split.foreground[:, :k], whole.foreground[:, :k])
-        assert not split.foreground[:, k:].any()
-
-
-@pytest.mark.parametrize("method", ["regions", "cls_attention"])
-def test_apply_halves_one_after_the_other_equal_the_halves_at_once(method, monkeypatch):
-    """halves=True on one thread (a segment worker process) gives exactly the outputs of the
-    two halves at once on two threads (one process), bit for bit; halves=False runs whole."""
-    torch.manual_seed(103)  # the tiny ViT whose heatmap rounding differs most (see above)
+def test_apply_is_the_method_on_the_whole_batch(method):
+    """Segmenter.apply runs the method once on the whole batch, on this thread's torch
+    threads, and hands its output to the CPU unchanged."""
+    torch.manual_seed(103)
     seg = segment.load("vit_tiny_random", method=method, device="cpu", image_size=112)
     record = seg.extract(torch.stack([seg.preprocess(_img(40 + 3 * i, 56, i)) for i in range(5)]))
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        at_once = seg.apply(record)
-        torch.set_num_threads(1)
-        seen = []
-        inner = seg.method
-        monkeypatch.setattr(seg, "method", lambda rec: seen.append((rec.batch_size, torch.get_num_threads()))
-                            or inner(rec))
-        in_turn = seg.apply(record, halves=True)
-        assert seen == [(3, 1), (2, 1)]  # in order, on this thread's one torch thread
-        seen.clear()
-        seg.apply(record, threads=2, halves=False)
-        assert seen == [(5, 2)]
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(in_turn.heatmap, at_once.heatmap)
-    for a, b in ((in_turn.labels, at_once.labels), (in_turn.foreground, at_once.foreground)):
+    with torch.no_grad():
+        whole = seg.method(record)
+    got = seg.apply(record)
+    assert torch.equal(got.heatmap, whole.heatmap.float())
+    for a, b in ((got.labels, whole.labels), (got.foreground, whole.foreground)):
         assert (a is None and b is None) or torch.equal(a, b)
 
 
+
 def test_concat_outputs_and_record_images():
-    from segment.masks import MethodOutput, concat_outputs
-    from segment.record import AttentionRecord, TokenLayout
+    from segment.core.masks import MethodOutput, concat_outputs
+    from segment.core.record import AttentionRecord, TokenLayout
 
     a = MethodOutput(heatmap=torch.zeros(2, 3, 3), labels=torch.zeros(2, 6, 6, dtype=torch.long),
                      foreground=torch.tensor([[True, False], [False, True]]))
@@ -415,7 +350,7 @@ def test_readme_snippet_runs(tmp_path, monkeypatch, dinov2_weights):
     src = read_image(REPO / "datasets" / "examples" / "chelsea.png").image
     src.save(tmp_path / "photo.jpg", quality=95)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(segment.api, "load", functools.partial(segment.api.load, checkpoint=dinov2_weights,
+    monkeypatch.setattr(segment.run.api, "load", functools.partial(segment.run.api.load, checkpoint=dinov2_weights,
                                                                 device="cpu"))
     ns: dict = {}
     exec(compile(snippet, "README.md", "exec"), ns)

@@ -1,4 +1,4 @@
-"""segment.bench_gpu: the GPU self-check's comparisons, and its CPU half end to end."""
+"""segment.eval.bench.gpu: the GPU self-check's comparisons, and its CPU half end to end."""
 
 from __future__ import annotations
 
@@ -7,8 +7,13 @@ import json
 import numpy as np
 import pytest
 import torch
-
-from segment.bench_gpu import SelfCheck, main, mask_disagreement, method_names, partition_agreement
+from segment.eval.bench.gpu import (
+    SelfCheck,
+    main,
+    mask_disagreement,
+    method_names,
+    partition_agreement,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 

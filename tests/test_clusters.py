@@ -1,4 +1,4 @@
-"""k-means of the keys (segment.clusters, segment.methods.KMeansKeys) on planted clusters,
+"""k-means of the keys (segment.core.clusters, segment.methods.KMeansKeys) on planted clusters,
 and the method on a tiny random ViT through its config."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 
-from segment.clusters import kmeans_labels, token_features
+from segment.core.clusters import kmeans_labels, token_features
+from segment.core.record import AttentionRecord, TokenLayout
 from segment.methods import KMeansKeys
-from segment.record import AttentionRecord, TokenLayout
 
 
 def same_partition(a: np.ndarray, b: np.ndarray) -> bool:
@@ -133,7 +133,7 @@ def test_segment_writes_kmeans_labels(tmp_path):
 
     from PIL import Image
 
-    from segment.pipeline import run_segment
+    from segment.run.pipeline import run_segment
 
     src, out = tmp_path / "in", tmp_path / "out"
     src.mkdir()

@@ -17,14 +17,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import segment.eval.runner as runner
 import torch
 from hydra import compose, initialize_config_module
 from PIL import Image
-
-import segment.eval.runner as runner
 from segment.eval.metrics import BinaryState, binary_states, total
-from segment.eval.runner import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, resolve_methods, run_eval
-from segment.masks import MethodOutput, to_masks
+from segment.eval.runner import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    resolve_methods,
+    run_eval,
+)
+
+from segment.core.masks import MethodOutput, to_masks
 from segment.methods import ClsAttention
 
 TINY = ["model=vit_tiny_random", "device=cpu", "progress=false", "num_workers=0"]
@@ -512,7 +518,8 @@ def test_multiclass_end_to_end(tmp_path, quantile_methods, counting):
     # the same from the metric directly, with the run's backbone
     from segment.datasets.multiclass import Cityscapes27
     from segment.eval.metrics import MulticlassState, hungarian_state
-    from segment.masks import labels_at
+
+    from segment.core.masks import labels_at
 
     bb = counting[0].inner
     m = QuantileRegions()
@@ -553,7 +560,8 @@ def test_label_folder_tables_and_panels(tmp_path, quantile_methods, counting, ca
     # the same from the metric on the method's own labels at the label resolution (30 x 40)
     from segment.datasets.multiclass import LabelFolder
     from segment.eval.metrics import MulticlassState, hungarian_state
-    from segment.masks import labels_at
+
+    from segment.core.masks import labels_at
 
     bb, m = counting[0].inner, QuantileRegions()
     ds = LabelFolder(root, num_classes=3, ignore_index=9)
@@ -711,8 +719,8 @@ def test_panel_has_column_headers(tmp_path):
     label = a[18:36]  # then the first method's label band: text at the left only
     assert (label[:, :w] < 128).sum() > 10 and (label[:, 2 * (w + pad) :] < 128).sum() == 0
 def test_eval_benchmark_runs_and_reports_both_ratios(folder, tmp_path, monkeypatch, capsys):
-    # `python -m segment.bench eval` on a tiny random model: 9 methods, ratios printed
-    from segment.bench_eval import main
+    # `python -m segment.eval.bench eval` on a tiny random model: 9 methods, ratios printed
+    from segment.eval.bench.evaluator import main
 
     monkeypatch.delenv("SEGMENT_SHARED", raising=False)
     out = tmp_path / "bench.json"

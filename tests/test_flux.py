@@ -10,8 +10,6 @@ import math
 
 import pytest
 import torch
-
-from segment.concept import ConceptAttention, concept_heatmaps, gaussian_blur, normalize_concepts
 from segment.eval.runner import TIMING_KEYS
 from segment.models.flux import (
     FluxInputs,
@@ -24,8 +22,11 @@ from segment.models.flux import (
     word_token_indices,
 )
 from segment.models.flux_tiny import build_tiny_components, flux_tiny, tiny_tokenizer
-from segment.record import AttentionRecord, Capture, TokenLayout
-from segment.reduce import AttentionReducer
+
+from segment.core.record import AttentionRecord, Capture, TokenLayout
+from segment.core.reduce import AttentionReducer
+from segment.core.concept import concept_heatmaps, gaussian_blur, normalize_concepts
+from segment.methods import ConceptAttention
 
 T = 16  # text tokens of the tiny model
 
@@ -429,10 +430,9 @@ def test_no_network_and_no_cache_fails_at_once(tmp_path, monkeypatch):
     cached, the same situation loads offline."""
     import time
 
-    from huggingface_hub import constants
-
     import segment.models.flux as flux
     import segment.models.hub as hub
+    from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
@@ -611,7 +611,7 @@ def test_model_configs_compose_and_flux_tiny_instantiates():
 
 
 def test_segment_end_to_end_flux_tiny(tmp_path):
-    from segment.pipeline import run_segment
+    from segment.run.pipeline import run_segment
 
     out = tmp_path / "out"
     cfg = _compose("segment", [f"output='{out}'", "model=flux_tiny", "method=bounce",
@@ -627,10 +627,9 @@ def test_segment_eval_flux_experiment_end_to_end(tmp_path, monkeypatch):
     import json
 
     import numpy as np
-    from test_datasets import write_gtsegs
-
     from segment.eval.runner import run_eval
     from segment.models.flux import FluxBackbone
+    from test_datasets import write_gtsegs
 
     rng = np.random.default_rng(0)
     sizes = [(40, 56), (48, 32), (36, 36)]

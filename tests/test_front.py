@@ -1,4 +1,4 @@
-"""The front door of `segment` and `segment-eval` (segment.front), as subprocesses: exit
+"""The front door of `segment` and `segment-eval` (segment.run.front), as subprocesses: exit
 codes, unknown keys with a suggestion, unwritable outputs in one line, nothing left behind
 when a run cannot start, the offline failure, --help."""
 
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import interrupt_when
 from PIL import Image
 
-from conftest import interrupt_when
-from segment.front import config_names, help_text, suggest
+from segment.run.front import config_names, help_text, suggest
 
 BIN = Path(sys.executable).parent
 TINY = ["model=vit_tiny_random", "device=cpu", "progress=false"]
@@ -143,7 +143,7 @@ def test_segment_eval_setup_errors_exit_2_in_one_line_and_leave_nothing(tmp_path
 
 
 def test_the_python_api_checks_values_like_the_command():
-    from segment.api import compose_config
+    from segment.run.api import compose_config
 
     for kw, why in [(dict(tau="oops"), "tau='oops': expected a number (the default is 0.2)"),
                     (dict(connectivity="no"), "connectivity='no': expected true or false"),
@@ -159,7 +159,7 @@ def test_the_python_api_checks_values_like_the_command():
 
 
 def test_values_of_the_right_type_pass_the_check():
-    from segment.front import value_problem
+    from segment.run.front import value_problem
 
     for default, value in [(0.2, 1), (0.2, 1e-1), (224, [336, 448]), (224, 448.0), (0.03, None),
                            (True, False), (True, 0), (8, "${oc.env:B}"), ("auto", "cpu"),
@@ -169,7 +169,7 @@ def test_values_of_the_right_type_pass_the_check():
     assert value_problem(8, True) == "expected a number"
     assert value_problem([-1], "all") == "expected a number or a list of numbers, e.g. [-1]"
     assert value_problem([-1], -2) is None and value_problem([224, 224], 448) is None  # one number
-    from segment.front import run_value_problem
+    from segment.run.front import run_value_problem
 
     assert run_value_problem("segment-eval", "panels", 4, None) is None  # null = 0 there
     assert run_value_problem("segment", "max_pixels", None, 2e8) is None  # a count written 2e8
@@ -317,7 +317,6 @@ def test_offline_fails_fast_with_one_message(tmp_path, how):
 
 def test_cached_weights_need_no_network(tmp_path, monkeypatch):
     from huggingface_hub import constants
-
     from segment.models.vit import check_pretrained_reachable
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
@@ -374,7 +373,6 @@ def test_cached_weights_load_without_the_hub(tmp_path, monkeypatch, dinov2_weigh
     import torch
     from huggingface_hub import constants
     from safetensors.torch import save_file
-
     from segment.models.vit import TimmViT
 
     ref = TimmViT("vit_small_patch14_dinov2.lvd142m", checkpoint=dinov2_weights, device="cpu")

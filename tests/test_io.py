@@ -1,4 +1,4 @@
-"""segment.io: finding images and reading every kind of file, good and bad."""
+"""segment.run.io: finding images and reading every kind of file, good and bad."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from segment.io import (
+from segment.run.io import (
     ImageReadError,
     InputError,
     bundled_examples,

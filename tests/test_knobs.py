@@ -35,9 +35,9 @@ import torch
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 from PIL import Image
-
 from segment.eval.runner import _compose_method
-from segment.record import Capture
+
+from segment.core.record import Capture
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = sorted(p.stem for p in (REPO / "configs" / "method").glob("*.yaml"))

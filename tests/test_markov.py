@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from segment import markov
+from segment.core import markov
 
 
 def clustered_attention(batch: int, n: int, *, clusters: int = 4, sharp: float = 6.0,
@@ -182,52 +182,6 @@ def test_lambda2_against_dense_float64_on_structured_chains():
     assert not bool(fast.dense.any())  # the fast path sufficed
 
 
-@pytest.mark.parametrize(("fit", "per"), [(0, 7), (1, 2), (2, 2), (3, 3), (7, 7)])
-def test_lambda2_products_in_cache_sized_runs_give_the_same_answers(fit, per, monkeypatch):
-    """On the CPU a cycle's products run on a few chains at a time (those that fit in a
-    quarter of the cache, at least two): the same values, eigenvalues and product counts as
-    one run of all chains, within 1e-4 of dense float64. ``fit`` chains fit the budget (none:
-    one run of all seven)."""
-    easy = clustered_attention(3, 300, clusters=5, sharp=8.0, seed=3)  # 20 products each
-    slow = clustered_attention(2, 300, clusters=12, sharp=8.0, seed=3)  # 40
-    slower = clustered_attention(2, 300, clusters=5, sharp=20.0, seed=3)  # 50-60
-    # converging at different cycles, so later runs hold chains that are not consecutive
-    a = torch.stack([easy[0], slow[0], easy[1], slower[0], slow[1], easy[2], slower[1]]).float()
-    chain = 300 * 300 * 4
-    monkeypatch.setattr(markov, "_cpu_cache_bytes", lambda: 0)
-    whole = markov.lambda2(a, return_info=True)
-    calls, gathered = [], []
-    real_bmm, real_select = torch.bmm, torch.index_select
-
-    def bmm(x, y):
-        if y.shape[-1] == 300 and y.shape[-2] == 300:  # a product with the chains
-            calls.append(x.shape[0])
-        return real_bmm(x, y)
-
-    def index_select(*args, **kw):
-        if "out" in kw:  # a run's chains gathered into the cached buffer
-            gathered.append(args[2].tolist())
-        return real_select(*args, **kw)
-
-    monkeypatch.setattr(markov, "_cpu_cache_bytes", lambda: fit * chain + 1)
-    monkeypatch.setattr(torch, "bmm", bmm)
-    monkeypatch.setattr(torch, "index_select", index_select)
-    runs = markov.lambda2(a, return_info=True)
-    monkeypatch.setattr(torch, "bmm", real_bmm)
-    monkeypatch.setattr(torch, "index_select", real_select)
-    assert len(set(whole.matvecs.tolist())) >= 3  # converged at three or more cycles
-    if per < 7:  # chains 1, 3, 4 and 6 go on: runs of them that are not consecutive
-        assert gathered and all(any(b - a > 1 for a, b in zip(g, g[1:])) for g in gathered)
-    else:  # one run: the active chains are gathered once per cycle, as before
-        assert not gathered
-    # the first run: its start block and 19 more, each on ``per`` chains
-    assert calls[:20] == [per] * 20 and sum(calls[:20 * -(-7 // per)]) == 20 * 7
-    assert torch.equal(runs.value, whole.value) and torch.equal(runs.eigenvalue, whole.eigenvalue)
-    assert torch.equal(runs.matvecs, whole.matvecs) and bool(runs.converged.all())
-    for b in range(7):
-        assert abs(float(runs.value[b]) - second_modulus_reference(a[b].double().numpy())) < 1e-4
-
-
 @pytest.mark.parametrize("case", ["random", "in_span", "zero", "mixed"])
 def test_orth_rows_one_row_is_unit_sum_zero_and_orthogonal_to_the_basis(case):
     """The one-row Gram-Schmidt (two projections, one check; the general loop when a row
@@ -253,21 +207,6 @@ def test_orth_rows_one_row_is_unit_sum_zero_and_orthogonal_to_the_basis(case):
         p = z - z.mean(-1, keepdim=True)
         p = p - torch.bmm(torch.bmm(p, basis.transpose(1, 2)), basis)
         torch.testing.assert_close(out, p / p.norm(dim=-1, keepdim=True))
-
-
-def test_cpu_cache_size_from_sysfs(tmp_path):
-    for i, (level, kind, size) in enumerate([(1, "Data", "32K"), (1, "Instruction", "64K"),
-                                             (2, "Unified", "1024K"), (3, "Unified", "32768K")]):
-        d = tmp_path / f"index{i}"
-        d.mkdir()
-        (d / "level").write_text(f"{level}\n")
-        (d / "type").write_text(f"{kind}\n")
-        (d / "size").write_text(f"{size}\n")
-    assert markov._cpu_cache_bytes(str(tmp_path)) == 8 << 20  # a quarter of the L3
-    (tmp_path / "index3" / "size").write_text("2M\n")
-    markov._cpu_cache_bytes.cache_clear()
-    assert markov._cpu_cache_bytes(str(tmp_path)) == 512 << 10  # a quarter of the largest: 2 MiB
-    assert markov._cpu_cache_bytes(str(tmp_path / "missing")) == 0  # unknown: one run
 
 
 def test_lambda2_degenerate_uniform_random_falls_back():
@@ -492,9 +431,10 @@ def test_properties_random_shapes(batch, n, alpha, seed):
 def test_lambda2_on_real_dinov2_heads_at_448(dinov2_weights):
     """Real patch chains (N = 1024) of the shared DINOv2 ViT-S/14 on a bundled example:
     the fast path agrees with dense float64 to 1e-4, early grid-like layers included."""
-    from segment.bench import _example_image
+    from segment.eval.bench.common import example_image as _example_image
     from segment.models.vit import TimmViT
-    from segment.record import Capture
+
+    from segment.core.record import Capture
 
     model = TimmViT(name="dinov2_vits14", arch="vit_small_patch14_dinov2.lvd142m", pretrained=False,
                     checkpoint=str(dinov2_weights), image_size=448, device="cpu")

@@ -9,10 +9,10 @@ import torch
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 
-from segment.masks import MethodOutput
+from segment.core.masks import MethodOutput
+from segment.core.record import AttentionRecord, Capture, TokenLayout
+from segment.core.reduce import AttentionReducer
 from segment.methods import Bounce, ClsAttention, Method, Rollout, TokenRank
-from segment.record import AttentionRecord, Capture, TokenLayout
-from segment.reduce import AttentionReducer
 
 DT = torch.float64
 
@@ -473,7 +473,7 @@ def test_lambda2_weights_shared_by_methods_of_one_record(monkeypatch):
     # the lambda2-weighted methods of one record compute |lambda_2| of its heads once;
     # another attention tensor (even with equal contents) is computed anew
     import segment.methods as methods_mod
-    from segment import markov
+    from segment.core import markov
 
     calls = []
     real = markov.lambda2
@@ -491,7 +491,7 @@ def test_lambda2_weights_shared_by_methods_of_one_record(monkeypatch):
     outs = [m(rec) for m in ms]
     assert len(calls) == 1  # one |lambda_2| computation for the three methods
     # ClsAttention's attention fusion equals the capture-time fusion (reduce.fuse_layer)
-    from segment.reduce import fuse_layer
+    from segment.core.reduce import fuse_layer
 
     fused = fuse_layer(a, "lambda2", VIT)[0]
     ref = ClsAttention(name="c", layers=[0], heads="mean")(record({0: fused}, VIT))
@@ -510,7 +510,7 @@ def test_lambda2_weights_shared_by_methods_of_one_record(monkeypatch):
 def test_mean_patch_chain_equals_float64_per_head_chains():
     """The one-pass mean of the heads' patch chains (RegionGrow, heads=mean) equals
     renormalising every head's grid block in float64 and averaging, zero rows included."""
-    from segment.methods import _mean_patch_chain
+    from segment.methods.base import mean_patch_chain
 
     g = torch.Generator().manual_seed(3)
     layout = TokenLayout(num_tokens=1 + 12 + 2, prefix=1, grid=(3, 4))
@@ -518,7 +518,7 @@ def test_mean_patch_chain_equals_float64_per_head_chains():
     attn[0, 2, 4, 1:13] = 0.0  # a row with no grid mass: uniform in that head's chain
     attn[1, :, 7, 1:13] = 0.0  # ... in every head
     attn[1, 3, 2, 1:13] = 1e-41  # a row whose grid mass is denormal: still renormalised
-    got = _mean_patch_chain(attn, layout)
+    got = mean_patch_chain(attn, layout)
     a = attn.double()[..., 1:13, 1:13]
     s = a.sum(-1, keepdim=True)
     per_head = torch.where(s > 0, a / s.clamp_min(1e-300), torch.full_like(a, 1 / 12))

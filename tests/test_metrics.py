@@ -9,7 +9,6 @@ import itertools
 import numpy as np
 import pytest
 import torch
-
 from segment.eval.metrics import (
     BinaryState,
     MulticlassState,
@@ -25,7 +24,8 @@ from segment.eval.metrics import (
     state_from_dict,
     total,
 )
-from segment.masks import heatmap_at, threshold_mean
+
+from segment.core.masks import heatmap_at, threshold_mean
 
 
 def _t(x, dtype=torch.bool):

@@ -1,4 +1,4 @@
-"""segment.outputs: post-processing, per-image files, COCO, gallery, atomic writes."""
+"""segment.run.outputs: post-processing, per-image files, COCO, gallery, atomic writes."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 
 import segment.utils
-from segment import outputs
-from segment.masks import MethodOutput, threshold_mean
-from segment.outputs import (
+from segment.core.masks import MethodOutput, threshold_mean
+from segment.run import outputs
+from segment.run.outputs import (
     BACKGROUND_ID,
     FOREGROUND_ID,
     RenderOptions,
@@ -426,7 +426,7 @@ def test_thumbnails_are_small_for_big_images(tmp_path):
 def test_gallery_legend_and_region_keys(tmp_path):
     """The colour bar is the run's colour map; under each label map, the regions the
     method called foreground are ringed, the others plain, in their palette colours."""
-    from segment.outputs import colormap_lut, palette
+    from segment.run.outputs import colormap_lut, palette
 
     seg = _region_seg(20, 30)
     rec = write_image(tmp_path, "sub/long_name-with parts", _image(20, 30), seg, FAST, **_fields("r"))
@@ -461,7 +461,7 @@ def _onehot_bilinear(lab: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("numpy_path", [True, False])  # False: the path of CUDA tensors
 def test_smooth_labels_are_the_argmax_of_upsampled_one_hot_maps(monkeypatch, numpy_path):
-    from segment import masks
+    from segment.core import masks
 
     monkeypatch.setattr(masks, "_NUMPY_ON_CPU", numpy_path)
     g = torch.Generator().manual_seed(0)
@@ -493,13 +493,13 @@ def test_smooth_labels_are_the_argmax_of_upsampled_one_hot_maps(monkeypatch, num
 
 
 def _smooth(lab: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
-    from segment.masks import smooth_labels_at
+    from segment.core.masks import smooth_labels_at
 
     return smooth_labels_at(lab, size)[0].numpy()
 
 
 def _nearest(lab: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
-    from segment.masks import labels_at
+    from segment.core.masks import labels_at
 
     return labels_at(lab, size)[0].numpy()
 

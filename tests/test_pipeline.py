@@ -1,4 +1,4 @@
-"""segment.pipeline: whole runs with the tiny random ViT (CPU, seconds)."""
+"""segment.run.pipeline: whole runs with the tiny random ViT (CPU, seconds)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,9 @@ from hydra import compose, initialize_config_module
 from PIL import Image
 from pycocotools.coco import COCO
 
-from segment.masks import MethodOutput
-from segment.pipeline import SegmentRun, config_fingerprint, run_segment
-from segment.record import AttentionRecord, Capture
-
+from segment.core.masks import MethodOutput
+from segment.core.record import AttentionRecord, Capture
+from segment.run.pipeline import SegmentRun, config_fingerprint, run_segment
 
 # pycocotools 2.0.11 + numpy 2: a deprecation warning inside annToMask, not ours
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
@@ -148,7 +147,7 @@ def test_resume_skips_done_images_and_keeps_them_in_summaries(tmp_path):
 def test_rendering_runs_with_opencv_single_threaded_and_restores_it(tmp_path, monkeypatch):
     import cv2
 
-    import segment.pipeline as pipeline_mod
+    import segment.run.pipeline as pipeline_mod
 
     seen = []
     real = pipeline_mod.write_image
@@ -162,7 +161,7 @@ def test_rendering_runs_with_opencv_single_threaded_and_restores_it(tmp_path, mo
     make_folder(src, bad=False)
     cv2.setNumThreads(2)
     try:
-        assert run_segment(compose_cfg(src, out, "processes=1")) == 0  # seen in this process
+        assert run_segment(compose_cfg(src, out)) == 0
         assert seen and set(seen) == {1}  # the writer threads are the parallelism
         assert cv2.getNumThreads() == 2  # the caller's setting is back
     finally:
@@ -268,8 +267,7 @@ def test_batches_hold_one_preprocessed_size(tmp_path, mode):
         bb = CroppingBackbone(inner, lambda im: p * (1 + (im.width - 40)))
         for i in range(n):
             _img(40, 40 + i, i).save(src / f"{i:02d}.png")
-    # one process: the batches are seen here (worker processes bucket their shares alike)
-    assert run_segment(compose_cfg(src, tmp_path / "o", f"batch_size={batch}", "processes=1"), backbone=bb) == 0
+    assert run_segment(compose_cfg(src, tmp_path / "o", f"batch_size={batch}"), backbone=bb) == 0
     assert sum(s[0] for s in bb.shapes) == n
     assert all(s[0] <= batch for s in bb.shapes)
     assert len({s[2:] for s in bb.shapes}) == (2 if mode == "orientation" else n)
@@ -326,7 +324,7 @@ def test_multi_region_outputs_end_to_end(tmp_path):
 
 class InterruptAfter:
     """Wraps a method; raises KeyboardInterrupt (Ctrl-C) when asked for any image after the
-    first ``n`` (a batch may come as two halves at once, see Segmenter.apply)."""
+    first ``n``."""
 
     def __init__(self, inner, n: int) -> None:
         self.inner, self.n, self.seen, self.name = inner, n, 0, inner.name
@@ -351,7 +349,7 @@ def test_ctrl_c_keeps_finished_images_and_resumes(tmp_path):
     src.mkdir()
     for i in range(8):
         _img(40, 60, i).save(src / f"{i}.png")
-    cfg = compose_cfg(src, out, "batch_size=2", "processes=1")  # counted in this process
+    cfg = compose_cfg(src, out, "batch_size=2")
     method = InterruptAfter(instantiate(cfg.method), n=4)  # two batches done, then Ctrl-C
     assert run_segment(cfg, method=method) == 130
     man = _manifest(out)
@@ -410,7 +408,7 @@ def test_bundled_examples_default_input(tmp_path):
 
 
 def test_pipeline_benchmark_runs(tmp_path):
-    from segment.bench_pipeline import main
+    from segment.eval.bench.pipeline import main
 
     out = tmp_path / "bench.json"
     assert main(["--model", "vit_tiny_random", "--images", "5", "--repeats", "1", "--batch-size", "2",
@@ -429,31 +427,27 @@ def test_pipeline_benchmark_runs(tmp_path):
 
 
 def test_pipeline_benchmark_against_other_settings(tmp_path):
-    """--against times a second pipeline in every round; worker processes' CPU counts."""
-    from segment.bench_pipeline import main
+    """--against times a second pipeline with other settings in every round."""
+    from segment.eval.bench.pipeline import main
 
     out = tmp_path / "bench.json"
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         assert main(["--model", "vit_tiny_random", "--images", "6", "--repeats", "2", "--batch-size", "2",
-                     "--against", "processes=1", "--json", str(out)]) == 0
+                     "--against", "method.heads=lambda2", "--json", str(out)]) == 0
     finally:
         torch.set_num_threads(before)
     res = json.loads(out.read_text())
-    assert res["processes"] == 2 and res["against"]["processes"] == 1
-    assert res["against"]["overrides"] == ["processes=1"] and len(res["against"]["img_s"]) == 2
+    assert res["against"]["overrides"] == ["method.heads=lambda2"] and len(res["against"]["img_s"]) == 2
     assert res["against"]["default_over_against"] == [
         round(p / a, 3) for p, a in zip(res["pipeline_img_s"], res["against"]["img_s"])]
-    # the workers' CPU is counted: at least their reading and writing (the parent only waits)
-    st = res["stages_cpu_ms_per_image"]
-    assert 1000 * res["pipeline_cpu_s_per_image"] > 0.8 * (st["read_preprocess"] + st["postprocess_write"])
 
 
 def test_pipeline_benchmark_idle_share_from_proc_stat(tmp_path):
     """The idle core time between two readings of /proc/stat's first line (idle + iowait
     over user .. steal; guest time is already inside user and nice)."""
-    from segment.bench_pipeline import _cpu_jiffies, _idle_share
+    from segment.eval.bench.pipeline import _cpu_jiffies, _idle_share
 
     stat = tmp_path / "stat"
     stat.write_text("cpu  100 5 20 300 10 1 2 3 40 0\ncpu0 50 2 10 150 5 0 1 1 20 0\n")
@@ -473,10 +467,11 @@ def test_pipeline_benchmark_stages_run_as_the_pipeline_runs_them(tmp_path, monke
     """The "stages alone" costs: reading on one torch thread (as the pipeline's reader
     threads), the method through Segmenter.apply (the pipeline's path), post-processing and
     writing on one torch thread (as its writer threads)."""
-    import segment.api as api_mod
-    import segment.io as io_mod
-    import segment.outputs as outputs_mod
-    from segment.bench_pipeline import main
+    from segment.eval.bench.pipeline import main
+
+    import segment.run.api as api_mod
+    import segment.run.io as io_mod
+    import segment.run.outputs as outputs_mod
 
     applied, write_threads, read_threads = [], [], []
     real_apply, real_write, real_read = api_mod.Segmenter.apply, outputs_mod.write_image, io_mod.read_image
@@ -485,9 +480,9 @@ def test_pipeline_benchmark_stages_run_as_the_pipeline_runs_them(tmp_path, monke
         read_threads.append(torch.get_num_threads())
         return real_read(*a, **k)
 
-    def apply(self, record, **kwargs):
+    def apply(self, record):
         applied.append(record.batch_size)
-        return real_apply(self, record, **kwargs)
+        return real_apply(self, record)
 
     def write(*a, **k):
         write_threads.append(torch.get_num_threads())
@@ -499,7 +494,7 @@ def test_pipeline_benchmark_stages_run_as_the_pipeline_runs_them(tmp_path, monke
     before = torch.get_num_threads()
     try:
         assert main(["--model", "vit_tiny_random", "--images", "4", "--repeats", "1", "--batch-size", "2",
-                     "--workers", "1", "--threads", "2", "processes=1"]) == 0  # counted here
+                     "--workers", "1", "--threads", "2"]) == 0
         assert torch.get_num_threads() == 2  # the benchmark's setting, back after the write stage
     finally:
         torch.set_num_threads(before)
@@ -510,73 +505,9 @@ def test_pipeline_benchmark_stages_run_as_the_pipeline_runs_them(tmp_path, monke
     assert read_threads == [2] * 4 + [1] * 4
 
 
-def test_core_sharing_gives_the_forward_threads_to_busy_helpers():
-    """While helpers are busy, the forward thread's modules run on ``T - busy`` threads (at
-    least 1), on ``T`` again when they are idle; other threads are left alone; leaving the
-    context restores ``T`` and removes the hook."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from segment.pipeline import CoreSharing
-
-    seen: list[int] = []
-
-    class Probe(torch.nn.Module):
-        def forward(self, x):
-            seen.append(torch.get_num_threads())
-            return x
-
-    probe = Probe()
-    before = torch.get_num_threads()
-    torch.set_num_threads(3)
-    started = [threading.Event() for _ in range(3)]
-    release = threading.Event()
-
-    def work(i):
-        started[i].set()
-        assert release.wait(10)
-        return i
-
-    def elsewhere():  # another thread's modules: its own count, untouched
-        torch.set_num_threads(1)
-        probe(0)
-        return torch.get_num_threads()
-
-    try:
-        with ThreadPoolExecutor(3) as pool:
-            with CoreSharing(3) as cores:
-                probe(0)  # nobody busy: 3
-                one = pool.submit(cores.helper(work), 0)
-                assert started[0].wait(10)
-                probe(0)  # one busy helper: 2
-                two = pool.submit(cores.helper(work, weight=2), 1)
-                assert started[1].wait(10)
-                probe(0)  # three busy: 1 (never 0)
-                assert pool.submit(elsewhere).result() == 1
-                release.set()
-                assert one.result() == 0 and two.result() == 1
-                assert cores.busy == 0
-                probe(0)  # idle again: 3
-                release.clear()
-                late = pool.submit(cores.helper(work), 2)
-                assert started[2].wait(10)
-                probe(0)  # 2 when the context ends
-                assert cores.switches == 4
-            assert torch.get_num_threads() == 3  # restored on exit
-            probe(0)  # the hook is gone: nothing changes though a helper is still busy
-            release.set()
-            late.result()
-        assert seen == [3, 2, 1, 1, 3, 2, 3]
-        with CoreSharing(1) as off:  # one thread: helpers are not even wrapped
-            assert off.helper(work) is work
-            probe(0)
-        assert seen[-1] == 3
-    finally:
-        torch.set_num_threads(before)
-
-
 def test_vit_record_is_the_same_at_one_and_two_threads():
-    """CoreSharing switches the forward's thread count between operators: the record (of
-    DINOv2 ViT-S/14's real shapes, random weights) must not depend on it."""
+    """The record (of DINOv2 ViT-S/14's real shapes, random weights) does not depend on the
+    torch thread count, so files do not depend on the machine's cores."""
     from segment.models.vit import TimmViT
 
     before = torch.get_num_threads()
@@ -596,11 +527,10 @@ def test_vit_record_is_the_same_at_one_and_two_threads():
         assert torch.equal(records[2].keys[layer], records[1].keys[layer])
 
 
-def test_run_helpers_use_one_torch_thread_and_the_method_splits_over_the_run(tmp_path, monkeypatch):
-    """Reading and the method run on one torch thread each (no OpenMP team outside the
-    forward), and Segmenter.apply is told the run's thread count, so the method still
-    runs as two one-thread halves."""
-    import segment.api as api_mod
+def test_run_readers_use_one_torch_thread_and_the_method_the_runs(tmp_path, monkeypatch):
+    """Reading runs on one torch thread per reader; the method thread on the run's torch
+    threads (whatever a reader set before it started)."""
+    import segment.run.api as api_mod
 
     seen = {"preprocess": [], "apply": []}
     real_pre, real_apply = api_mod.Segmenter.preprocess, api_mod.Segmenter.apply
@@ -609,9 +539,9 @@ def test_run_helpers_use_one_torch_thread_and_the_method_splits_over_the_run(tmp
         seen["preprocess"].append(torch.get_num_threads())
         return real_pre(self, image)
 
-    def apply(self, record, **kwargs):
-        seen["apply"].append((torch.get_num_threads(), kwargs.get("threads")))
-        return real_apply(self, record, **kwargs)
+    def apply(self, record):
+        seen["apply"].append(torch.get_num_threads())
+        return real_apply(self, record)
 
     monkeypatch.setattr(api_mod.Segmenter, "preprocess", preprocess)
     monkeypatch.setattr(api_mod.Segmenter, "apply", apply)
@@ -619,9 +549,9 @@ def test_run_helpers_use_one_torch_thread_and_the_method_splits_over_the_run(tmp
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert run_segment(compose_cfg(tmp_path / "in", tmp_path / "out", "processes=1")) == 0
+        assert run_segment(compose_cfg(tmp_path / "in", tmp_path / "out")) == 0
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
     assert seen["preprocess"] == [1] * 5
-    assert seen["apply"] and all(s == (1, 2) for s in seen["apply"])
+    assert seen["apply"] and all(s == 2 for s in seen["apply"])

@@ -1,4 +1,4 @@
-"""Seed and grow (segment.regions, methods.RegionGrow): planted metastable blocks must be
+"""Seed and grow (segment.core.regions, methods.RegionGrow): planted metastable blocks must be
 recovered exactly; every piece checked against hand computations."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from segment import regions as rg
-from segment.masks import to_masks
+from segment.core import regions as rg
+from segment.core.masks import to_masks
+from segment.core.record import AttentionRecord, Capture, TokenLayout
 from segment.methods import ClsAttention, ClsKeyChain, RegionGrow
-from segment.record import AttentionRecord, Capture, TokenLayout
 
 
 def planted_labels(h: int = 8, w: int = 8) -> torch.Tensor:
@@ -110,7 +110,7 @@ def test_planted_metastable_blocks_recovered_exactly(seeds):
     elif seeds == "grid":
         s = rg.grid_seeds((8, 8), 2)
     else:
-        from segment import markov
+        from segment.core import markov
 
         s = rg.tokenrank_seeds(markov.tokenrank(p), (8, 8), num=12, radius=1)
     dist = rg.propagate(p, s, steps=2)
@@ -357,8 +357,6 @@ def test_region_grow_capture_and_bad_records():
         RegionGrow(seeds="random")
     with pytest.raises(ValueError, match="key_fuse must be one of"):
         RegionGrow(key_fuse="similarty")  # a typo used to run silently as "similarity"
-    with pytest.raises(ValueError, match="decide must be one of"):
-        RegionGrow(decide="region")
     with pytest.raises(ValueError, match="average_layers is not a knob of regions"):
         RegionGrow(layers=[-1, -2], average_layers=True)
     with pytest.raises(ValueError, match="no effect"):
@@ -398,7 +396,6 @@ def test_default_recipe_beats_cls_attention_on_ecssd_dev(dinov2_weights, ecssd_d
     from hydra import compose, initialize_config_module
     from hydra.utils import instantiate
     from PIL import Image
-
     from segment.eval.metrics import BinaryState, total
     from segment.eval.runner import score_binary
     from segment.models.vit import TimmViT
@@ -453,7 +450,6 @@ def test_multiclass_experiment_grid_vs_tokenrank_seeds(tmp_path):
 
     from hydra import compose, initialize_config_module
     from PIL import Image
-
     from segment.eval.runner import run_eval
 
     root = tmp_path / "cityscapes"
@@ -632,7 +628,6 @@ def test_default_recipe_on_planted_chains():
     ranks it first (AP 1)."""
     from hydra import compose, initialize_config_module
     from hydra.utils import instantiate
-
     from segment.eval.metrics import pooled_average_precision
 
     with initialize_config_module(version_base="1.3", config_module="segment.configs"):
@@ -821,8 +816,7 @@ def test_fine_regions_of_an_image_do_not_depend_on_its_batch(dinov2_weights):
     from hydra import compose, initialize_config_module
     from hydra.utils import instantiate
     from PIL import Image
-
-    from segment.bench import _example_image
+    from segment.eval.bench.common import example_image as _example_image
     from segment.models.vit import TimmViT
 
     with initialize_config_module(version_base="1.3", config_module="segment.configs"):

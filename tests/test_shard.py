@@ -1,4 +1,4 @@
-"""segment.shard: ``torchrun -m segment`` with 2 gloo ranks on CPU equals one process, and a
+"""segment.run.shard: ``torchrun -m segment`` with 2 gloo ranks on CPU equals one process, and a
 run resumed with another number of ranks completes it from the per-image records."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-
 from segment.eval.dist import DistContext
-from segment.shard import RankReport, share
+
+from segment.run.shard import RankReport, share
 
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 
@@ -46,7 +46,6 @@ def setup(tmp_path_factory):
     """A folder of 7 images + one broken file, and fixed weights for the tiny ViT (random
     init differs per process, a checkpoint does not)."""
     from safetensors.torch import save_file
-
     from segment.models.vit import TimmViT
 
     root = tmp_path_factory.mktemp("shard")

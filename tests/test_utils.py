@@ -1,17 +1,4 @@
-"""segment.allocator: the glibc setting of the command-line entry points."""
-
-import platform
-
-from segment.allocator import tune_allocator
-
-
-def test_tune_allocator_leaves_an_environment_that_tunes_it(monkeypatch):
-    for var in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"):
-        monkeypatch.setenv(var, "1")
-        assert tune_allocator() is False
-        monkeypatch.delenv(var)
-    # glibc accepts the thresholds (mallopt returns 1); elsewhere nothing is done
-    assert tune_allocator() is (platform.libc_ver()[0] == "glibc")
+"""segment.utils: devices, atomic writes."""
 
 
 def test_resolve_device_names_the_bad_setting():

@@ -17,9 +17,9 @@ from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from PIL import Image
 from safetensors.torch import load_file, save_file
-
 from segment.models.vit import TimmViT, load_state_dict, resample_pos_embed
-from segment.record import Capture
+
+from segment.core.record import Capture
 
 TINY = dict(embed_dim=64, depth=2, num_heads=2)
 ARCHS = {  # arch, prefix tokens, registers

@@ -38,8 +38,6 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from segment.allocator import tune_allocator
-
 EXIT_BAD_INPUT = 2  # = segment.utils.EXIT_BAD_INPUT (not imported: that module loads torch)
 EXIT_INTERRUPTED = 130
 
@@ -169,7 +167,7 @@ def value_problem(default: Any, value: Any) -> str | None:
 # run settings that are whole numbers with a lowest value (several default to null = auto,
 # which the type check above cannot see): command -> key -> lowest
 WHOLE_AT_LEAST = {
-    "segment": {"batch_size": 1, "num_workers": 0, "max_pixels": 1, "min_size": 0, "processes": 1},
+    "segment": {"batch_size": 1, "num_workers": 0, "max_pixels": 1, "min_size": 0},
     "segment-eval": {"batch_size": 1, "num_workers": 0, "limit": 1, "bootstrap": 0, "panels": 0},
 }
 # ... of which these also take null (a default of null, or null read as 0 by the run)
@@ -358,7 +356,6 @@ def cleanup(plan: Plan) -> None:
 def run_command(command: str, config_name: str, hydra_main: Callable[[], Any],
                 argv: Sequence[str] | None = None) -> int:
     """Pre-check, run the ``@hydra.main`` function, map its outcome to an exit code."""
-    tune_allocator()
     args = list(sys.argv[1:] if argv is None else argv)
     plan = Plan()
     flags = [a for a in args if a.startswith("-") and not a.startswith("~")]
@@ -403,7 +400,7 @@ _HELP = {
             ("output=DIR", "the results folder; default: outputs/segment (a rerun resumes)"),
             ("model.checkpoint=PATH", "offline machines: local weights (.safetensors / torch state dict)"),
         ],
-        settings="device=auto|cpu|cuda  batch_size=8  overwrite=false  num_workers  processes  max_pixels  min_size\n"
+        settings="device=auto|cpu|cuda  batch_size=8  overwrite=false  num_workers  max_pixels  min_size\n"
                  "  progress=true  label_upsampling=smooth|nearest\n"
                  "  render.{colormap,overlay_alpha,jpeg_quality,png_compression,thumb_size,fsync}",
     ),

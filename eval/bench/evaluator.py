@@ -1,6 +1,6 @@
 """Benchmark: ``segment-eval`` throughput against a bare fused forward, in the same run.
 
-``python -m segment.bench eval [--root DIR] [--size 224] [--images 32] [--batch 8] [overrides]``
+``python -m segment.eval.bench eval [--root DIR] [--size 224] [--images 32] [--batch 8] [overrides]``
 
 - **bare forward**: ``backbone.forward_plain`` (fused attention, nothing captured) on the
   same images, already preprocessed, in batches of ``--batch``: the model alone.
@@ -35,7 +35,7 @@ TARGET = 0.5
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m segment.bench eval",
+    p = argparse.ArgumentParser(prog="python -m segment.eval.bench eval",
                                 description="segment-eval images/s vs a bare fused forward")
     p.add_argument("--root", type=Path, default=None,
                    help="a folder data set (images/ + masks/); default $SEGMENT_SHARED/data/ecssd-dev")
@@ -55,7 +55,6 @@ def _parser() -> argparse.ArgumentParser:
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from hydra import compose, initialize_config_module
     from hydra.utils import instantiate
-
     from segment.eval.runner import run_eval
 
     shared = os.environ.get("SEGMENT_SHARED")

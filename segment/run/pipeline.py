@@ -3,22 +3,18 @@
 Flow (:func:`run_segment`)::
 
     find_images ──> plan (resume: skip images whose record is current)
-        ──> build the Segmenter (segment.api: backbone + method; the Python API's object)
+        ──> build the Segmenter (segment.run.api: backbone + method; the Python API's object)
     ──> loader threads: read + EXIF + RGB + Segmenter.preprocess       (overlapped)
         ──> main thread: batches of one preprocessed size -> Segmenter.extract
         ──> method thread: Segmenter.apply on each batch's attention record (batch i
-            while the main thread runs the forward of batch i + 1; on the CPU as two
-            halves of its images at once, see Segmenter.apply)
+            while the main thread runs the forward of batch i + 1)
         ──> writer threads: Segmenter.postprocess at the original size, files, record
     ──> annotations.json, index.html, run.json from the records of every image
 
-Helper threads run on one torch thread each; on the CPU the forward gives its threads to
-the busy ones (:class:`CoreSharing`). On a CPU (Linux) with two or more torch threads and
-two or more batches to do, the images are split by whole batches over forked worker
-processes (``processes``; :mod:`segment.workers`), each running this flow on its share with
-fewer torch threads, and this process gathers their statuses and records.
+Helper threads run on one torch thread each, so only the forward holds an OpenMP team.
+Several processes (CPUs or GPUs, one node or many) are ``torchrun``'s (:mod:`segment.run.shard`).
 
-The per-batch computation is :class:`segment.api.Segmenter`'s, the object ``segment.load``
+The per-batch computation is :class:`segment.run.api.Segmenter`'s, the object ``segment.load``
 returns, so the command's masks and the API's are the same computation.
 
 "Done" is recorded per image by ``records/<name>.json``, written after all of that image's
@@ -27,7 +23,7 @@ method config (a fingerprint), the source file has the same size and mtime, and 
 it lists exist. ``annotations.json`` and ``index.html`` are rebuilt from the records at the
 end of every run, so a resumed run lists every image of the input. Under ``torchrun`` each
 rank runs this flow on its share of the sorted list and rank 0 writes the run-level files
-(:mod:`segment.shard`).
+(:mod:`segment.run.shard`).
 
 Bad input never stops the run: each unusable file is logged with the reason, listed in the
 manifest and the gallery, and the run goes on. The exit code is 0 when at least one image is
@@ -63,9 +59,11 @@ from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 from torch import Tensor
 
-from segment import shard, workers
-from segment.api import Segmenter
-from segment.io import (
+from segment.core.masks import MethodOutput, label_upsampling_setting
+from segment.core.record import AttentionRecord
+from segment.run import shard
+from segment.run.api import Segmenter
+from segment.run.io import (
     IMAGE_EXTENSIONS,
     ImageFile,
     ImageReadError,
@@ -75,10 +73,11 @@ from segment.io import (
     find_images,
     read_image,
 )
-from segment.masks import MethodOutput, label_upsampling_setting
-from segment.outputs import (
+from segment.run.outputs import (
     ImageRecord,
+    ImageStatus,
     RenderOptions,
+    device_info,
     load_record,
     package_versions,
     record_is_current,
@@ -88,7 +87,6 @@ from segment.outputs import (
     write_image,
     write_manifest,
 )
-from segment.record import AttentionRecord
 from segment.utils import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -101,83 +99,6 @@ from segment.utils import (
 log = logging.getLogger(__name__)
 
 EXIT_NOTHING_DONE = EXIT_FAILED
-
-
-class CoreSharing:
-    """The forward's torch threads give way to the helper threads that are busy (CPU runs).
-
-    A forward on ``T`` torch threads waits at the end of every operator for its slowest
-    thread. A helper thread (reading, the method, writing) that takes a core from one of
-    them stalls the others: on the 2-core development machine a writer next to a bare
-    forward halved the forward's images/s, and libgomp's barriers, throttled because more
-    threads held OpenMP teams than there were cores, left 8-12% of the cores idle in a
-    ``segment`` run (``eval/results/bench/HISTORY.md``). So while helpers are busy, the
-    forward's next operators run on ``max(1, T - busy)`` threads, on ``T`` again once they
-    are idle: a module forward pre-hook, acting only in the thread that entered this
-    context, sets the count before every module (cheap: a check per module, and about a
-    dozen switches in a 48-image run at 224 px). The helpers themselves run on one torch
-    thread each, so no thread but the forward's keeps an OpenMP team.
-
-    The operators of the forward give the same values at any thread count on the machines
-    this was measured on (``tests/test_pipeline.py`` checks a ViT's record at 1 and 2
-    threads; runs on pascal-dev at 224 px and ecssd-dev at 448 px wrote the same bytes as
-    before); a BLAS whose reductions depend on the thread count would make low bits depend
-    on timing.
-
-    Args:
-        threads: ``T``, the forward's torch threads (``< 2``: nothing changes).
-    """
-
-    def __init__(self, threads: int) -> None:
-        self.threads = int(threads)
-        self.busy = 0
-        self.switches = 0
-        self._lock = threading.Lock()
-        self._now = self.threads
-        self._owner: int | None = None
-        self._hook: Any = None
-
-    @property
-    def active(self) -> bool:
-        return self.threads >= 2
-
-    def helper(self, fn: Any, weight: int = 1) -> Any:
-        """``fn`` counted as ``weight`` busy helper threads while it runs."""
-        if not self.active:
-            return fn
-
-        def run(*args: Any, **kwargs: Any) -> Any:
-            with self._lock:
-                self.busy += weight
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                with self._lock:
-                    self.busy -= weight
-        return run
-
-    def _before_module(self, _module: Any, _inputs: Any) -> None:
-        if threading.get_ident() != self._owner:
-            return
-        n = max(1, self.threads - self.busy)
-        if n != self._now:
-            torch.set_num_threads(n)
-            self._now = n
-            self.switches += 1
-
-    def __enter__(self) -> CoreSharing:
-        if self.active:
-            self._owner = threading.get_ident()
-            self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_module)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-            if self._now != self.threads:
-                torch.set_num_threads(self.threads)
-                self._now = self.threads
 
 
 class _ModelFailed(Exception):
@@ -195,21 +116,6 @@ class _Item:
     pixels: Tensor | None = None  # (3, H, W) preprocessed
     error: str | None = None
     read_s: float = 0.0
-
-
-@dataclass
-class _Status:
-    """Per-image outcome, for the manifest."""
-
-    name: str
-    source: str
-    status: str  # done | resumed | failed
-    reason: str | None = None
-    seconds: float | None = None
-    rank: int | None = None  # the torchrun rank that segmented it (distributed runs)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
 @dataclass
@@ -275,20 +181,6 @@ def _cfg_dict(cfg: DictConfig) -> Any:
         return OmegaConf.to_container(cfg, resolve=False)
 
 
-def _device_info(device: torch.device | None) -> dict[str, Any]:
-    if device is None:
-        return {}
-    info: dict[str, Any] = {"device": str(device), "torch_threads": torch.get_num_threads()}
-    if device.type == "cuda":
-        info["name"] = torch.cuda.get_device_name(device)
-    else:
-        import platform
-
-        info["name"] = platform.processor() or platform.machine()
-        info["cpu_count"] = os.cpu_count()
-    return info
-
-
 class SegmentRun:
     """One ``segment`` run (see the module docstring); :func:`run_segment` drives it.
 
@@ -297,7 +189,7 @@ class SegmentRun:
         backbone: an already built backbone (benchmarks reuse one); default: built from
             ``cfg.model``.
         method: an already built method; default: built from ``cfg.method``.
-        ctx: this process's place under torchrun (:mod:`segment.shard`); default: a single
+        ctx: this process's place under torchrun (:mod:`segment.run.shard`); default: a single
             process.
     """
 
@@ -328,14 +220,8 @@ class SegmentRun:
         self.pin_memory = False  # set in _build: True when the backbone is on CUDA
         self.input_device = torch.device("cpu")  # where the backbone wants its pixels
         self._extracting = threading.Lock()  # one capture at a time (the hooks are per model)
-        self.method_threads = torch.get_num_threads()  # the run's torch threads (set in _process)
-        # whether the method splits each batch in two halves (Segmenter.apply; None: as the
-        # thread count says). A worker process (segment.workers) on one thread still splits
-        # as the run on two would, the halves one after the other: the heatmaps' float
-        # rounding depends on the split, so the files stay the same bytes
-        self.method_halves: bool | None = None
         self.t = _Timings()
-        self.statuses: dict[str, _Status] = {}
+        self.statuses: dict[str, ImageStatus] = {}
         self.records: dict[str, ImageRecord] = {}
         self.ignored: list[tuple[str, str]] = []
         self.interrupted = False
@@ -348,7 +234,6 @@ class SegmentRun:
         self.writing = False  # set once the output folder is in use: then run-level files are written
         self.mine: list[ImageFile] = []  # this rank's share of files (all of them in one process)
         self.ranks: list[dict[str, Any]] | None = None  # per-rank summaries (torchrun, rank 0)
-        self.processes = 1  # worker processes of this run (segment.workers; set in _run)
 
     # ------------------------------------------------------------------ entry
 
@@ -436,12 +321,6 @@ class SegmentRun:
                 log.debug("building the model/method failed", exc_info=True)
                 return self._fail(f"cannot build the model or method: {_describe(e)}")
             self.t.model_load_s = time.perf_counter() - ts
-            try:
-                self.processes = workers.choose_processes(
-                    self.cfg.get("processes"), device=self.input_device, distributed=self.ctx.distributed,
-                    threads=torch.get_num_threads(), todo=len(todo), batch_size=self.batch_size)
-            except ValueError as e:
-                return self._fail(f"bad settings: {e}")
         try:
             self.out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -451,10 +330,7 @@ class SegmentRun:
             ts = time.perf_counter()
             try:
                 with single_threaded_rendering():  # the writer threads are the parallelism
-                    if self.processes > 1:  # CPU: forked workers, each on whole batches
-                        workers.run_in_processes(self, todo, self.processes)
-                    else:
-                        self._process(todo)
+                    self._process(todo)
             finally:
                 self.t.processing_s = time.perf_counter() - ts
         if self.ctx.distributed:
@@ -483,14 +359,14 @@ class SegmentRun:
             try:
                 st = f.path.stat()
             except OSError as e:
-                self.statuses[f.name] = _Status(f.name, f.rel, "failed", f"cannot be read: {e.strerror or e}")
+                self.statuses[f.name] = ImageStatus(f.name, f.rel, "failed", f"cannot be read: {e.strerror or e}")
                 continue
             item = _Item(file=f, source_bytes=st.st_size, source_mtime_ns=st.st_mtime_ns)
             if not self.overwrite:
                 rec = self._current_record(f, st.st_size, st.st_mtime_ns)
                 if rec is not None:
                     self.records[f.name] = rec
-                    self.statuses[f.name] = _Status(f.name, f.rel, "resumed")
+                    self.statuses[f.name] = ImageStatus(f.name, f.rel, "resumed")
                     continue
             todo.append(item)
         return todo
@@ -506,7 +382,7 @@ class SegmentRun:
         return rec
 
     def _build(self) -> None:
-        if self.ctx.distributed:  # torchrun: cuda:LOCAL_RANK (segment.shard.init)
+        if self.ctx.distributed:  # torchrun: cuda:LOCAL_RANK (segment.run.shard.init)
             self.device = self.ctx.device
             on_rank = {"device": str(self.device)} if "device" in self.cfg.model else {}
         else:
@@ -567,8 +443,7 @@ class SegmentRun:
         keeps the record, so a failed batch's memory is free before the retries."""
         t0 = time.perf_counter()
         try:
-            out = self.segmenter.apply(held.pop() if held else self._extract(items), threads=self.method_threads,
-                                       halves=self.method_halves)
+            out = self.segmenter.apply(held.pop() if held else self._extract(items))
         except Exception as e:
             reason = self._batch_failed(items, e)
             if reason is not None:
@@ -601,7 +476,7 @@ class SegmentRun:
         )
 
     def _fail_item(self, item: _Item, reason: str) -> None:
-        self.statuses[item.file.name] = _Status(item.file.name, item.file.rel, "failed", reason)
+        self.statuses[item.file.name] = ImageStatus(item.file.name, item.file.rel, "failed", reason)
         log.warning("skipped %s: %s", item.file.path, reason)
 
     def _progress_bar(self, total: int) -> Any:
@@ -609,36 +484,26 @@ class SegmentRun:
 
         return tqdm(total=total, unit="img", desc="segment", disable=not self.progress, dynamic_ncols=True)
 
-    def _process(self, todo: list[_Item], bar: Any = None) -> None:
+    def _process(self, todo: list[_Item]) -> None:
         """Segment ``todo`` in this process (the loader, method and writer threads around
-        the forward in this thread). ``bar``: where progress goes (a worker process's pipe,
-        :mod:`segment.workers`); default a tqdm bar on stderr."""
+        the forward in this thread), with a tqdm bar on stderr."""
         from tqdm.contrib.logging import logging_redirect_tqdm
 
-        redirect = logging_redirect_tqdm if bar is None else contextlib.nullcontext
-        bar = self._progress_bar(len(todo)) if bar is None else bar
+        bar = self._progress_bar(len(todo))
         prefetch = max(2 * self.batch_size, 2 * self.num_workers)
         max_pending_writes = max(2 * self.batch_size, 2 * self.num_workers)
         max_held = 4 * self.batch_size  # images waiting in partly filled batches
-        # every helper runs on one torch thread (set explicitly: torch.set_num_threads in
-        # one thread is also the default of the threads that start later), and on the CPU
-        # the forward gives way to the busy ones (CoreSharing). One torch thread per helper:
-        # a torch pool per writer only adds threads that spin next to the forward (write
-        # stage alone on the bundled examples: 28-37 ms of CPU per image instead of 48-52),
-        # and a helper that once ran a parallel operator keeps an OpenMP team, which
-        # throttles the forward's barriers. The files are the same at any thread count
-        threads = self.method_threads = torch.get_num_threads()
+        # readers and writers run on one torch thread each (set explicitly: torch.set_num_threads
+        # in one thread is also the default of the threads that start later): their work is
+        # decoding, resizing and encoding, and a torch pool per writer only adds threads
+        # next to the forward. The files are the same at any thread count
         one = dict(initializer=torch.set_num_threads, initargs=(1,))
-        cores = CoreSharing(threads if self.input_device.type == "cpu" else 1)
         loader = ThreadPoolExecutor(self.num_workers, thread_name_prefix="segment-read", **one)
         writer = ThreadPoolExecutor(self.num_workers, thread_name_prefix="segment-write", **one)
-        # one method thread: the method of batch i runs while the main thread extracts batch
-        # i + 1; one method at a time, so at most two records are held. Segmenter.apply
-        # splits it over the run's thread count (two one-thread halves on the CPU)
-        methods = ThreadPoolExecutor(1, thread_name_prefix="segment-method", **one)
-        # the stages as CoreSharing counts them: readers and writers one busy helper each,
-        # the method two (its two one-thread halves)
-        load, write = cores.helper(self._load), cores.helper(self._write)
+        # one method thread, on the run's torch threads: the method of batch i runs while the
+        # main thread extracts batch i + 1; one method at a time, so at most two records are held
+        methods = ThreadPoolExecutor(1, thread_name_prefix="segment-method", initializer=torch.set_num_threads,
+                                     initargs=(torch.get_num_threads(),))
         running: deque[Future] = deque(maxlen=1)
         writes: deque[tuple[_Item, Future]] = deque()  # appended by the method thread
         buckets: OrderedDict[tuple[int, ...], list[_Item]] = OrderedDict()
@@ -654,7 +519,7 @@ class SegmentRun:
             else:
                 self.records[item.file.name] = rec
                 self.t.write_s += rec.seconds
-                self.statuses[item.file.name] = _Status(item.file.name, item.file.rel, "done",
+                self.statuses[item.file.name] = ImageStatus(item.file.name, item.file.rel, "done",
                                                         seconds=round(item.read_s + rec.seconds, 4))
             bar.update(1)
 
@@ -669,10 +534,8 @@ class SegmentRun:
                     fut: Future = Future()
                     fut.set_exception(_ModelFailed(got))
                 else:
-                    fut = writer.submit(write, it, *got)
+                    fut = writer.submit(self._write, it, *got)
                 writes.append((it, fut))
-
-        method_then_write = cores.helper(apply_then_write, 2)
 
         def wait_method() -> None:
             """Until the running method is done; re-raises what ended it (Ctrl-C in it). It
@@ -697,7 +560,7 @@ class SegmentRun:
             finally:
                 self.t.model_s += time.perf_counter() - t0
             wait_method()
-            running.append(methods.submit(method_then_write, items, [record]))
+            running.append(methods.submit(apply_then_write, items, [record]))
             del record  # the method thread holds the only reference
             drain(max_pending_writes)
 
@@ -705,7 +568,7 @@ class SegmentRun:
             pending: deque[Future] = deque()
             it = iter(todo)
             for item in it:
-                pending.append(loader.submit(load, item))
+                pending.append(loader.submit(self._load, item))
                 if len(pending) >= prefetch:
                     break
             while pending:
@@ -714,11 +577,11 @@ class SegmentRun:
                 self.t.wait_input_s += time.perf_counter() - t0
                 nxt = next(it, None)
                 if nxt is not None:
-                    pending.append(loader.submit(load, nxt))
+                    pending.append(loader.submit(self._load, nxt))
                 yield got
 
         try:
-            with redirect(), cores:
+            with logging_redirect_tqdm():
                 for item in loaded_items():
                     self.t.read_s += item.read_s
                     if item.error is not None:
@@ -812,8 +675,7 @@ class SegmentRun:
                 "failed": len(failed),
                 "ignored": len(self.ignored),
             },
-            "device": _device_info(self.device),
-            "processes": self.processes,
+            "device": device_info(self.device),
             "timings": timings,
             "config": _cfg_dict(self.cfg),
             "versions": package_versions(),
@@ -834,7 +696,7 @@ def run_segment(cfg: DictConfig, **kwargs: Any) -> int:
     code (see the module docstring). ``kwargs`` go to :class:`SegmentRun`.
 
     Under ``torchrun`` (``WORLD_SIZE > 1``) this process joins the group and segments its
-    share of the images; rank 0 writes the run files (:mod:`segment.shard`).
+    share of the images; rank 0 writes the run files (:mod:`segment.run.shard`).
     """
     try:
         ctx = shard.init(cfg.get("device", "auto")) if shard.launched() else shard.DistContext()

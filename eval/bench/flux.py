@@ -12,8 +12,8 @@ With on-the-fly reduction (heads fused, blocks averaged: ``--mode mean``/``lambd
 peak must not grow with ``k``: only one block's ``(B, H, N, N)`` matrices exist at a time.
 ``--mode keep`` (every head of every block kept) is the contrast that grows linearly.
 
-    python -m segment.bench_flux                       # CPU, k = 1 2 4 8 16, mean + keep
-    python -m segment.bench_flux --device cuda --heads 24 --json bench.json
+    python -m segment.eval.bench.flux                       # CPU, k = 1 2 4 8 16, mean + keep
+    python -m segment.eval.bench.flux --device cuda --heads 24 --json bench.json
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     """One measurement: build, capture the first ``args.child`` blocks, report memory."""
     from segment.models.flux import FluxInputs, capture_forward, latent_image_ids
     from segment.models.flux_tiny import build_tiny_components
-    from segment.record import Capture, TokenLayout
-    from segment.reduce import AttentionReducer
+
+    from segment.core.record import Capture, TokenLayout
+    from segment.core.reduce import AttentionReducer
 
     torch.set_num_threads(max(1, min(args.threads, os.cpu_count() or 1)))
     dev = torch.device(args.device)
@@ -117,7 +118,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m segment.bench_flux", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m segment.eval.bench.flux", description=__doc__.split("\n\n")[0])
     p.add_argument("--blocks", type=int, nargs="+", default=[1, 2, 4, 8, 16],
                    help="numbers of captured blocks (the first k of the model)")
     p.add_argument("--modes", nargs="+", default=["mean", "keep"],
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'mode':>8} {'blocks':>6} {'peak-base MiB':>14} {'record MiB':>11} {'one block MiB':>14} {'s':>6}")
     for mode in args.modes:
         for k in args.blocks:
-            cmd = [sys.executable, "-m", "segment.bench_flux", "--child", str(k), "--mode", mode,
+            cmd = [sys.executable, "-m", "segment.eval.bench.flux", "--child", str(k), "--mode", mode,
                    "--depth", str(depth), "--grid", *map(str, args.grid), "--text", str(args.text),
                    "--heads", str(args.heads), "--batch", str(args.batch), "--device", args.device,
                    "--threads", str(args.threads)]

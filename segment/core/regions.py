@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from segment import markov
+from segment.core import markov
 
 __all__ = [
     "Proposals",

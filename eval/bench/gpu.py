@@ -1,6 +1,6 @@
 """GPU self-check: every device path against the CPU result for the same inputs.
 
-``python -m segment.bench gpu [--quick] [--json PATH] [--device cuda[:N]] [--weights PATH]``
+``python -m segment.eval.bench gpu [--quick] [--json PATH] [--device cuda[:N]] [--weights PATH]``
 
 On a CUDA device each check computes a reference on the CPU and the same thing on the
 device, and compares them within the tolerance printed next to it:
@@ -12,8 +12,8 @@ device, and compares them within the tolerance printed next to it:
   record moved there: heatmap error, mask disagreement away from the threshold, agreement
   of the region partitions;
 - **regions**: kornia's union-find connected components (the CUDA path of
-  :func:`segment.regions.connected_regions`) against scikit-image's, ids and all, exactly;
-  :func:`segment.masks.smooth_labels_at` on the device against the CPU, exactly;
+  :func:`segment.core.regions.connected_regions`) against scikit-image's, ids and all, exactly;
+  :func:`segment.core.masks.smooth_labels_at` on the device against the CPU, exactly;
 - **markov**: TokenRank on the device against the CPU, ``|lambda_2|`` (fast path, fp32) on
   the device against dense float64 eigenvalues on the CPU (protocol: 1e-4);
 - **flux**: the tiny FLUX (``models/flux_tiny.py``) captured on the device with and without
@@ -22,7 +22,7 @@ device, and compares them within the tolerance printed next to it:
   the device: masks and heatmap files, and the metric rows.
 
 It also measures ratios on the device against the bare fused forward of the same model in
-the same run: the whole ``segment`` pipeline (``segment.bench_pipeline``), the region stage,
+the same run: the whole ``segment`` pipeline (``segment.eval.bench.pipeline``), the region stage,
 and ``lambda_2`` against dense ``eigvals`` per head.
 
 The model is the tiny random ViT (``vit_tiny_random``, weights saved once so that both
@@ -53,8 +53,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from segment.eval.bench.common import best_time, find_weights, sync
 
-from segment.bench import _sync, _time
 from segment.utils import atomic_write_json
 
 # tolerances (stated in the output next to every check)
@@ -109,15 +109,15 @@ class Check:
 
 def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
     """``fn()`` and its wall time in ms (device synchronised)."""
-    _sync(device)
+    sync(device)
     t = time.perf_counter()
     out = fn()
-    _sync(device)
+    sync(device)
     return out, 1e3 * (time.perf_counter() - t)
 
 
 def _best_ms(fn: Callable[[], Any], device: torch.device, repeat: int) -> float:
-    return 1e3 * _time(fn, device, max(1, repeat))
+    return 1e3 * best_time(fn, device, max(1, repeat))
 
 
 def _examples() -> list:
@@ -210,7 +210,6 @@ class SelfCheck:
     def _tiny_checkpoint(self) -> Path:
         """Seeded random weights of the tiny ViT, saved so that every device loads them."""
         from safetensors.torch import save_file
-
         from segment.models.vit import TimmViT
 
         with torch.random.fork_rng(devices=[]):
@@ -241,8 +240,8 @@ class SelfCheck:
     def check_capture(self, spec: dict[str, Any]) -> Any:
         """fp32 and bf16 capture on the device against the CPU fp32 capture; returns the
         CPU model and its full record for the later checks."""
-        from segment.masks import heatmap_at
-        from segment.record import Capture
+        from segment.core.masks import heatmap_at
+        from segment.core.record import Capture
 
         cap = Capture(layers=None, heads="keep")
         ref_model = self.build_vit(spec, self.cpu)
@@ -278,7 +277,7 @@ class SelfCheck:
 
     def _compare_outputs(self, group: str, name: str, ref, got, t_cpu: float | None, t_dev: float | None,
                          size) -> None:
-        from segment.masks import heatmap_at, labels_at, minmax
+        from segment.core.masks import heatmap_at, labels_at, minmax
 
         hr, hd = minmax(ref.heatmap.float().cpu()), minmax(got.heatmap.float().cpu())
         self.add(group, f"{name} heatmap", "max_abs R (grid)", (hr - hd).abs().max().item(), TOL_HEATMAP,
@@ -318,7 +317,7 @@ class SelfCheck:
     def check_regions(self) -> None:
         """kornia union-find (the CUDA path) against scikit-image's connected components:
         the same components with the same ids (numbered by value, then first pixel)."""
-        from segment import regions as rg
+        from segment.core import regions as rg
 
         g = torch.Generator().manual_seed(0)
         b, h, w = (4, 32, 32) if self.quick else (8, 64, 64)
@@ -338,7 +337,9 @@ class SelfCheck:
         got = rg.connected_regions(lab.to(self.device), min_area=area).cpu()
         bad = sum(not torch.equal(ref[i], got[i]) for i in range(b))
         self.add("regions", f"connected_regions min_area={area}", "images differing", bad, 0)
-        from segment.masks import smooth_labels_at  # the torch path of device tensors
+        from segment.core.masks import (
+            smooth_labels_at,  # the torch path of device tensors
+        )
 
         size = (3 * h + 1, 2 * w + 3)
         ref = smooth_labels_at(lab, size)
@@ -348,8 +349,8 @@ class SelfCheck:
 
     def check_markov(self, model, x) -> None:
         """TokenRank and lambda_2 on the device; lambda_2 against dense float64."""
-        from segment import markov
-        from segment.record import Capture
+        from segment.core import markov
+        from segment.core.record import Capture
 
         rec = model.extract(x[:1], Capture(layers=None, heads="keep"))
         heads = torch.cat([rec.attn[i][0] for i in sorted(rec.attn)])  # (L*H, N, N)
@@ -387,7 +388,7 @@ class SelfCheck:
         word) on the device, with and without offload, against the CPU."""
         from hydra.utils import instantiate
 
-        from segment.record import Capture
+        from segment.core.record import Capture
 
         cfg = compose("segment", ["model=flux_tiny", "device=cpu"])
         methods = {name: instantiate(compose("segment", [f"method={name}", "method.layers=[0,1]"]).method)
@@ -423,7 +424,7 @@ class SelfCheck:
         output (its masks serve as labels for the segment-eval check)."""
         from PIL import Image
 
-        from segment.pipeline import run_segment
+        from segment.run.pipeline import run_segment
 
         src = self.work / "examples"
         if not src.is_dir():
@@ -505,7 +506,7 @@ class SelfCheck:
         """Region stage and whole pipeline against the bare fused forward, on the device."""
         from hydra.utils import instantiate
 
-        from segment import bench_pipeline
+        from segment.eval.bench import pipeline as bench_pipeline
 
         dev_model = self.build_vit(spec, self.device)
         x = dev_model.collate((self.images * 4)[:4]).to(self.device)  # batch 4
@@ -549,7 +550,7 @@ class SelfCheck:
                            sizes: tuple[int, ...] = (224, 448), images: int = 128, batch: int = 32) -> None:
         """Images/s of ``segment`` and of the bare forward for ViT-S/14 and ViT-B/14 at 224
         and 448 px (device runs without ``--quick`` only; random ViT-B weights, same compute)."""
-        from segment import bench_pipeline
+        from segment.eval.bench import pipeline as bench_pipeline
 
         for config in configs:
             ckpt = ["--checkpoint", str(self.weights)] if config == "dinov2_vits14" and self.weights else []
@@ -606,7 +607,7 @@ def compose(name: str, overrides: list[str]):
 
 def method_names() -> list[str]:
     """Every method config (``configs/method/*.yaml``)."""
-    from segment.front import config_names
+    from segment.run.front import config_names
 
     return config_names("method")
 
@@ -614,17 +615,16 @@ def method_names() -> list[str]:
 def run_selfcheck(device: str | None = None, quick: bool = False, weights: str | None = None,
                   log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every check; returns the JSON-able result (see :func:`main`)."""
-    from segment.bench import _find_weights
 
     cuda = torch.cuda.is_available()
     dev = torch.device(device or ("cuda" if cuda else "cpu"))
     if dev.type == "cuda" and not cuda:
         raise SystemExit("--device cuda: CUDA is not available on this machine")
-    w = _find_weights(weights)
+    w = find_weights(weights)
     if dev.type == "cpu":
         why = "--device cpu" if cuda else "no CUDA device on this machine"
         log(f"{why}: running the CPU half only (every path on the CPU against its reference); the"
-            " device comparisons need a GPU: run `python -m segment.bench gpu` on a CUDA machine")
+            " device comparisons need a GPU: run `python -m segment.eval.bench gpu` on a CUDA machine")
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine())
     log(f"# segment GPU self-check on {dev} ({name}), torch {torch.__version__}, quick={quick}, "
         f"DINOv2 weights: {w if w and not quick else 'not used'}")
@@ -655,9 +655,9 @@ def run_selfcheck(device: str | None = None, quick: bool = False, weights: str |
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m segment.bench gpu``; returns 0 when every check passed (also on a
+    """``python -m segment.eval.bench gpu``; returns 0 when every check passed (also on a
     machine without CUDA, after the CPU half), 1 otherwise."""
-    p = argparse.ArgumentParser(prog="python -m segment.bench gpu", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m segment.eval.bench gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default=None, help="device under test (default: cuda if available, else cpu)")
     p.add_argument("--quick", action="store_true", help="tiny models and few images only (CI)")
     p.add_argument("--weights", default=None, help="DINOv2 ViT-S/14 safetensors (default: $SEGMENT_SHARED)")

@@ -30,7 +30,8 @@ from typing import Any, TypeVar
 
 from segment.eval import dist
 from segment.eval.dist import DistContext
-from segment.io import InputError
+
+from segment.run.io import InputError
 from segment.utils import EXIT_INTERRUPTED, EXIT_OK
 
 T = TypeVar("T")
@@ -60,7 +61,7 @@ def close(ctx: DistContext) -> None:
 
 
 def scan(list_input: Callable[[], T], ctx: DistContext) -> T:
-    """``list_input()`` on rank 0, its result (or its :class:`~segment.io.InputError`) on
+    """``list_input()`` on rank 0, its result (or its :class:`~segment.run.io.InputError`) on
     every rank."""
     if not ctx.distributed:
         return list_input()
@@ -89,7 +90,7 @@ class RankReport:
         rank: the rank.
         images: how many images were its share.
         statuses: the per-image statuses of its share (``name`` -> status dict of
-            :class:`segment.pipeline._Status`).
+            :class:`segment.run.outputs.ImageStatus`).
         timings: its stage timings (seconds).
         device: its device description.
         interrupted: it stopped on Ctrl-C.
@@ -120,7 +121,7 @@ def merge(report: RankReport, ctx: DistContext) -> list[RankReport] | None:
 
 
 def finish(run: Any, code: int) -> int:
-    """End of a distributed :class:`segment.pipeline.SegmentRun` (every rank calls it).
+    """End of a distributed :class:`segment.run.pipeline.SegmentRun` (every rank calls it).
 
     Every rank sends its statuses and timings to rank 0 (:func:`merge`). Rank 0 takes the
     other ranks' statuses, marks the unfinished share of a rank that stopped on an error as
@@ -129,17 +130,17 @@ def finish(run: Any, code: int) -> int:
     it writes next list every image; ``run.ranks`` gets each rank's summary.
 
     Args:
-        run: the :class:`~segment.pipeline.SegmentRun` of this rank.
+        run: the :class:`~segment.run.pipeline.SegmentRun` of this rank.
         code: this rank's exit code so far.
 
     Returns:
         The run's exit code on rank 0 (130 if any rank was interrupted), ``code`` elsewhere.
     """
-    from segment.pipeline import _device_info, _Status
+    from segment.run.outputs import ImageStatus, device_info
 
     ctx = run.ctx
     report = RankReport(
-        rank=ctx.rank, images=len(run.mine), timings=run.t.rounded(), device=_device_info(run.device),
+        rank=ctx.rank, images=len(run.mine), timings=run.t.rounded(), device=device_info(run.device),
         statuses={n: s.as_dict() for n, s in run.statuses.items()},
         interrupted=run.interrupted, error=run.error,
     )
@@ -148,11 +149,11 @@ def finish(run: Any, code: int) -> int:
         return code
     for r in reports:
         for name, d in r.statuses.items():
-            run.statuses[name] = _Status(**{**d, "rank": r.rank if d["status"] == "done" else None})
+            run.statuses[name] = ImageStatus(**{**d, "rank": r.rank if d["status"] == "done" else None})
         if r.error and not r.interrupted and r.rank != 0 and run.input_root is not None:
             for f in run.files[r.rank :: ctx.world_size]:  # its unfinished share
                 if f.name not in run.statuses:
-                    run.statuses[f.name] = _Status(f.name, f.rel, "failed", f"rank {r.rank} stopped: {r.error}")
+                    run.statuses[f.name] = ImageStatus(f.name, f.rel, "failed", f"rank {r.rank} stopped: {r.error}")
     for f in run.files:  # the records the other ranks wrote, read back from disk
         st = run.statuses.get(f.name)
         if f.name in run.records or st is None or st.status == "failed":

@@ -82,7 +82,7 @@ LABEL_UPSAMPLING = ("nearest", "smooth")
 
 
 def label_upsampling_setting(value: str | None) -> str:
-    """The run setting ``label_upsampling`` (``configs/segment.yaml``, :class:`segment.api.
+    """The run setting ``label_upsampling`` (``configs/segment.yaml``, :class:`segment.run.api.
     Segmenter`): ``smooth`` when unset, else one of :data:`LABEL_UPSAMPLING`."""
     mode = "smooth" if value is None else value
     if mode not in LABEL_UPSAMPLING:

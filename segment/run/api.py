@@ -1,6 +1,6 @@
 """The Python API: ``segment.load(...)`` gives a :class:`Segmenter`; calling it on images
 gives :class:`Result` objects. The ``segment`` command runs through the same object
-(:class:`segment.pipeline.SegmentRun` calls :meth:`Segmenter.preprocess`,
+(:class:`segment.run.pipeline.SegmentRun` calls :meth:`Segmenter.preprocess`,
 :meth:`Segmenter.extract`, :meth:`Segmenter.apply` and :meth:`Segmenter.postprocess`, the
 stages of :meth:`Segmenter.forward`), so the masks of the API and of the command cannot
 drift apart.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Union
@@ -35,12 +34,18 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from PIL import Image
 from torch import Tensor
 
-from segment.front import config_names, run_value_problem, show_default, suggest, value_problem
-from segment.io import ImageReadError, read_image, to_rgb
-from segment.masks import MethodOutput, concat_outputs, label_upsampling_setting
-from segment.outputs import RenderOptions, Segmentation, overlay, postprocess
-from segment.record import AttentionRecord
-from segment.utils import torch_threads, unwrap_instantiation
+from segment.core.masks import MethodOutput, label_upsampling_setting
+from segment.core.record import AttentionRecord
+from segment.run.front import (
+    config_names,
+    run_value_problem,
+    show_default,
+    suggest,
+    value_problem,
+)
+from segment.run.io import ImageReadError, read_image, to_rgb
+from segment.run.outputs import RenderOptions, Segmentation, overlay, postprocess
+from segment.utils import unwrap_instantiation
 
 __all__ = ["Batch", "ImageReadError", "Result", "Segmenter", "compose_config", "config_names", "load", "show",
            "suggest", "to_image"]
@@ -143,7 +148,7 @@ class Result:
         heatmap: ``(H, W)`` float32 ``R`` in ``[0, 1]`` (protocol §3).
         labels: ``(H, W)`` int32 region ids (region methods), else ``None``.
         foreground: ``(K,)`` bool, region ``k`` is foreground (region methods), else ``None``.
-        record: this image's :class:`~segment.record.AttentionRecord` (batch of one; the
+        record: this image's :class:`~segment.core.record.AttentionRecord` (batch of one; the
             chain the method read), or ``None`` when not kept.
         image: the RGB image that was segmented (what :func:`show` draws on).
     """
@@ -171,7 +176,7 @@ class Result:
         )
 
     def segmentation(self) -> Segmentation:
-        """Back to the command's :class:`~segment.outputs.Segmentation` (for the writers)."""
+        """Back to the command's :class:`~segment.run.outputs.Segmentation` (for the writers)."""
         return Segmentation(heatmap=self.heatmap, mask=self.mask,
                             labels=None if self.labels is None else self.labels.astype(np.int32, copy=False),
                             foreground=self.foreground)
@@ -290,12 +295,6 @@ class Batch:
     record: AttentionRecord
 
 
-def _on_threads(method: Any, record: AttentionRecord, threads: int = 1) -> MethodOutput:
-    """``method(record)`` on ``threads`` torch threads in this thread (its count restored after)."""
-    with torch_threads(threads), torch.no_grad():
-        return method(record)
-
-
 def _label_upsampling_for(value: str | None, method: Any) -> str:
     """The ``label_upsampling`` setting, refused when moved off ``smooth`` for a method that
     gives no region labels (a heatmap method's mask is the thresholded heatmap: the setting
@@ -319,7 +318,7 @@ class Segmenter:
         batch_size: images per forward pass when called on a list.
         max_pixels: refuse image files with more pixels (``None`` = Pillow's limit).
         label_upsampling: how region labels (and the mask they bound) reach an image's own
-            size: ``smooth`` (:func:`segment.masks.smooth_labels_at`) or ``nearest``
+            size: ``smooth`` (:func:`segment.core.masks.smooth_labels_at`) or ``nearest``
             (``segment-eval``'s rule).
         config: the composed config it was built from, when built from one.
     """
@@ -381,48 +380,17 @@ class Segmenter:
         with torch.no_grad():
             return self.backbone.extract(pixels, self.capture)
 
-    def apply(self, record: AttentionRecord, *, threads: int | None = None,
-              halves: bool | None = None) -> MethodOutput:
-        """The method on a batch's attention record; its output on the CPU.
-
-        On the CPU with several torch threads (``threads``, default this thread's torch
-        thread count; otherwise the method runs whole on ``threads``), the batch runs as
-        two halves of its images
-        at once (this thread and a helper), each on one torch thread: a method's many small
-        operations split badly over threads (about 1.4 of 2 cores busy), two halves keep
-        both busy. Methods compute per image, so the masks and labels are those of the
-        whole batch; the heatmaps may differ from the unsplit batch by float rounding, as
-        they do between batch compositions (min-max normalisation magnifies it on
-        low-contrast maps: up to 1.7e-4 over 300 random tiny ViTs, far under one 8-bit
-        level of the heatmap PNG, 1/255). The command and the API both
-        come here: their files and results stay equal.
-
-        ``halves``: split the batch in two halves or not whatever ``threads`` (default: split
-        on two or more threads). With ``halves=True`` on one thread the halves run one after
-        the other, with the same values as at once: a ``segment`` worker process
-        (:mod:`segment.workers`) on one thread writes the files of a run on two.
-        """
-        out = self._method(record, torch.get_num_threads() if threads is None else int(threads), halves)
+    def apply(self, record: AttentionRecord) -> MethodOutput:
+        """The method on a batch's attention record, on this thread's torch threads; its
+        output on the CPU. The command and the API both come here: their files and results
+        stay equal."""
+        with torch.no_grad():
+            out = self.method(record)
         return MethodOutput(
             heatmap=out.heatmap.detach().float().cpu(),
             labels=None if out.labels is None else out.labels.detach().cpu(),
             foreground=None if out.foreground is None else out.foreground.detach().cpu(),
         )
-
-    def _method(self, record: AttentionRecord, threads: int, halves: bool | None = None) -> MethodOutput:
-        b = record.batch_size
-        on_cpu = next(iter(record.attn.values())).device.type == "cpu"
-        split = threads >= 2 if halves is None else halves
-        if not on_cpu or not split or b < 2 or record.extras:  # whole, on ``threads``
-            return _on_threads(self.method, record, threads)
-        half = (b + 1) // 2
-        if threads < 2:  # one after the other, on this thread
-            return concat_outputs([_on_threads(self.method, record.images(0, half)),
-                                   _on_threads(self.method, record.images(half, b))])
-        with ThreadPoolExecutor(1, thread_name_prefix="segment-method-half") as helper:
-            second = helper.submit(_on_threads, self.method, record.images(half, b))
-            first = _on_threads(self.method, record.images(0, half))
-            return concat_outputs([first, second.result()])
 
     def postprocess(self, out: MethodOutput, index: int, size: tuple[int, int]) -> Segmentation:
         """Image ``index`` of a batch at its size ``(H, W)``: protocol §3 (bilinear

@@ -1,6 +1,6 @@
 """Benchmark: throughput of the whole ``segment`` pipeline against a bare fused forward.
 
-``python -m segment.bench pipeline [options] [hydra overrides]``
+``python -m segment.eval.bench pipeline [options] [hydra overrides]``
 
 Both are measured in the same process, on the same images, with the same backbone object,
 batch size and thread count, interleaved (bare, pipeline, bare, pipeline, ...) so that a
@@ -9,15 +9,13 @@ busy machine slows both alike; the medians are reported.
 - **bare forward**: ``backbone.forward_plain`` (fused attention everywhere, nothing
   captured) on batches of already preprocessed images; decoding and resizing are not
   counted. This is the speed of the model alone.
-- **pipeline**: :class:`segment.pipeline.SegmentRun` on a folder of the same images into a
+- **pipeline**: :class:`segment.run.pipeline.SegmentRun` on a folder of the same images into a
   fresh output folder: listing, decoding, EXIF, preprocessing, attention capture, the
   method, protocol post-processing at the original resolution, every output file, per-image
   records, ``annotations.json``, ``index.html`` and ``run.json``. Only building the model is
   left out (done once, before timing).
 
-  On a CPU the run may fork worker processes (:mod:`segment.workers`); their CPU time is
-  counted with the pipeline's.
-- ``--against 'processes=1'``: the pipeline with other settings in the same rounds (the
+- ``--against 'OVERRIDES'``: the pipeline with other settings in the same rounds (the
   order alternates), for an A/B on the same machine minutes.
 
 The target (issues 3 and 13) is ``pipeline >= 0.75 x bare``, at 224 and 448 px
@@ -49,7 +47,7 @@ _DEFAULT_CKPT = "weights/dinov2_vits14.safetensors"
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m segment.bench pipeline",
+        prog="python -m segment.eval.bench pipeline",
         description="images/s of the whole segment pipeline vs a bare fused forward of the same model",
     )
     p.add_argument("--input", type=Path, default=None,
@@ -69,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (median)")
     p.add_argument("--against", default=None, metavar="OVERRIDES",
                    help="also time the pipeline with these Hydra overrides (space-separated, e.g. "
-                        "'processes=1') in every round, in alternating order with the default: an A/B "
+                        "'method.refine_steps=0') in every round, in alternating order with the default: an A/B "
                         "on the same machine minutes")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     p.add_argument("--config-dir", type=Path, default=None,
@@ -92,7 +90,7 @@ def _compose(args: argparse.Namespace, overrides: list[str]):
 def _prepare_input(args: argparse.Namespace, tmp: Path) -> Path:
     """The benchmark folder: ``--input`` as is (first ``--images`` files), or the bundled
     examples copied round-robin to ``--images`` files."""
-    from segment.io import bundled_examples, find_images
+    from segment.run.io import bundled_examples, find_images
 
     dst = tmp / "images"
     dst.mkdir()
@@ -133,18 +131,6 @@ def _idle_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -
     return (after[0] - before[0]) / (after[1] - before[1])
 
 
-def _cpu_with_workers() -> float:
-    """CPU seconds of this process and of its ended children (``segment``'s worker
-    processes, :mod:`segment.workers`)."""
-    t = time.process_time()
-    try:
-        import resource
-    except ImportError:  # not POSIX
-        return t
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return t + ru.ru_utime + ru.ru_stime
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -157,14 +143,19 @@ def _stage_costs(backbone: Any, method: Any, files: list, batches: list, n: int,
     Less sensitive to other processes than wall time: ``bare / (read + model + write)`` is
     the ratio the pipeline would reach with no overlap at all (a lower bound). Each stage
     runs as the pipeline runs it: reading and preprocessing on one torch thread, the method
-    through :meth:`Segmenter.apply` (two halves of a batch at once on the CPU),
+    through :meth:`Segmenter.apply`,
     post-processing and writing on one torch thread.
     """
-    from segment.api import Segmenter
-    from segment.io import read_image
-    from segment.masks import label_upsampling_setting
-    from segment.outputs import RenderOptions, postprocess, single_threaded_rendering, write_image
-    from segment.pipeline import config_fingerprint
+    from segment.core.masks import label_upsampling_setting
+    from segment.run.api import Segmenter
+    from segment.run.io import read_image
+    from segment.run.outputs import (
+        RenderOptions,
+        postprocess,
+        single_threaded_rendering,
+        write_image,
+    )
+    from segment.run.pipeline import config_fingerprint
 
     opts = RenderOptions(**OmegaConf.to_container(cfg.render, resolve=True))
     device = torch.device(getattr(backbone, "device", "cpu"))
@@ -209,8 +200,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Measure; returns the result dict (also printed by :func:`main`)."""
     from hydra.utils import instantiate
 
-    from segment.io import find_images, read_image
-    from segment.pipeline import SegmentRun
+    from segment.run.io import find_images, read_image
+    from segment.run.pipeline import SegmentRun
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -258,7 +249,6 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
         bare, pipe_proc, pipe_total, runs, alt_total = [], [], [], [], []
         against = args.against.split() if args.against else None
-        alt_processes = None
         bare_cpu, pipe_cpu, bare_idle, pipe_idle = [], [], [], []
         for r in range(args.repeats):
             _sync(device)
@@ -276,19 +266,17 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 cfg_r = _compose(args, base + (against if side == "against" else []) +
                                  [f"input='{src}'", f"output='{out}'"])
                 run = SegmentRun(cfg_r, backbone=backbone, method=method)
-                j0, c0, t0 = _cpu_jiffies(), _cpu_with_workers(), time.perf_counter()
+                j0, c0, t0 = _cpu_jiffies(), time.process_time(), time.perf_counter()
                 code = run.run()
                 total = time.perf_counter() - t0
                 if code != 0:
                     raise SystemExit(f"the pipeline run failed with exit code {code}; see {out}/run.json")
                 if side == "against":
                     alt_total.append(n / total)
-                    alt_processes = run.processes
                     continue
-                pipe_cpu.append((_cpu_with_workers() - c0) / n)
+                pipe_cpu.append((time.process_time() - c0) / n)
                 pipe_idle.append(_idle_share(j0, _cpu_jiffies()))
                 pipe_total.append(n / total)
-                processes = run.processes
                 pipe_proc.append(n / run.t.processing_s)
                 runs.append({k: round(v, 4) for k, v in run.t.__dict__.items() if isinstance(v, float)})
             # every round's files stay until the end (the temporary folder goes then): on ext4
@@ -311,7 +299,6 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "num_workers": cfg.get("num_workers"),
-        "processes": processes,
         "batch_size": args.batch_size,
         "model_load_s": round(load_s, 3),
         "bare_forward_img_s": [round(v, 3) for v in bare],
@@ -341,7 +328,6 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if against is not None:
         result["against"] = {
             "overrides": against,
-            "processes": alt_processes,
             "img_s": [round(v, 3) for v in alt_total],
             "median": round(med(alt_total), 3),
             "ratio": round(med(a / q for a, q in zip(alt_total, bare)), 3),
@@ -357,13 +343,12 @@ def _median_or_none(values: list[float | None]) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m segment.bench pipeline``; returns 0 (measurement done)."""
+    """Entry point of ``python -m segment.eval.bench pipeline``; returns 0 (measurement done)."""
     args = _parser().parse_args(argv)
     res = run_benchmark(args)
     print(f"segment pipeline benchmark: {res['images']} images ({', '.join(res['input_sizes'])} model input), "
           f"{res['model']} [{res['weights']}], {res['method']}, {res['device']}, "
           f"{res['torch_threads']} torch threads (OMP_WAIT_POLICY={res['omp_wait_policy'] or 'unset'}), "
-          f"pipeline in {res['processes']} process{'es' if res['processes'] > 1 else ''}, "
           f"batch {res['batch_size']}")
     print(f"  bare fused forward : {res['bare_forward_median']:8.2f} img/s  (runs {res['bare_forward_img_s']})")
     print(f"  whole pipeline     : {res['pipeline_median']:8.2f} img/s  (runs {res['pipeline_img_s']})")
@@ -382,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     if "against" in res:
         a = res["against"]
         faster = sum(v > 1 for v in a["default_over_against"])
-        print(f"  against {' '.join(a['overrides'])} ({a['processes']} process{'es' if a['processes'] > 1 else ''}): "
+        print(f"  against {' '.join(a['overrides'])}: "
               f"{a['median']:.2f} img/s, ratio {a['ratio']:.3f}; default / against per round "
               f"{a['default_over_against']} (default faster in {faster} of {len(a['default_over_against'])})")
     last = res["pipeline_timings"][-1]

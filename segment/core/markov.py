@@ -17,10 +17,8 @@ Shape letters: ``N`` tokens, ``H`` heads, ``S`` start distributions, ``K`` steps
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -560,9 +558,7 @@ def lambda2(
     ``(block x N) @ (N x N)`` products, takes the Rayleigh-Ritz values of the small
     projected matrix in float64, and restarts from the ``keep`` leading Ritz vectors plus
     the next Krylov block (Krylov-Schur). All of it is batched matmuls and small QR / eig,
-    on CPU or CUDA. On the CPU a cycle's products run on as many chains at a time as fit
-    in a quarter of the largest CPU cache, at least two (the products are memory-bound;
-    same answers).
+    on CPU or CUDA.
 
     ``method="auto"`` (default) is a cascade that keeps the answer within ``1e-4`` of a
     dense float64 eigendecomposition: fp32 Krylov for every element; float64 Krylov for
@@ -777,27 +773,6 @@ def _restart_coefficients(theta: Tensor, vecs: Tensor, k: int) -> Tensor:
     return torch.linalg.qr(sel).Q
 
 
-@functools.lru_cache(maxsize=4)
-def _cpu_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
-    """A quarter of the largest data cache of the CPU (Linux sysfs; 0 where unknown): the
-    bytes of chains in one run of Krylov products on the CPU (:func:`_lambda2_krylov`). The
-    last-level cache is shared with the other cores (and, on a cloud machine, with other
-    tenants): runs of a quarter of it were faster than runs of half of it (HISTORY.md)."""
-    sizes = []
-    for d in Path(root).glob("index*"):
-        try:
-            if (d / "type").read_text().strip() == "Instruction":
-                continue
-            text = (d / "size").read_text().strip().upper()
-        except OSError:
-            continue
-        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        digits = text.rstrip("KMG")
-        if digits.isdigit():
-            sizes.append(int(digits) * unit)
-    return max(sizes, default=0) // 4
-
-
 def _lambda2_krylov(
     x: Tensor, *, tol: float, block: int, passes: int, keep: int, max_cycles: int, seed: int
 ) -> Lambda2Result:
@@ -844,41 +819,13 @@ def _lambda2_krylov(
     images = torch.empty(m, d, n, dtype=dt, device=dev)
     basis[:, :b] = _orth_rows(torch.randn(m, b, n, generator=gen, dtype=dt).to(dev), None, gen)
     filled = b  # a cycle starts with the images of rows [filled - b, filled) to compute
-    # on the CPU each product streams its chain from memory (memory-bound): a cycle's blocks
-    # run on a few chains at a time, which stay in the cache from one block to the next
-    # (a quarter of the largest cache: at N = 1025 the products 2-3x faster than one run of
-    # all, lambda2 1.4x; the answers bit-identical, unless a block needs random directions:
-    # they are drawn in run order). At least two chains per run: when one chain fills the
-    # quarter, two (half the cache) run together; when not even one fits, one run of all
-    # (at N = 4097 one chain per run was 1.4x slower, as the threads split the batch)
-    per = (_cpu_cache_bytes() if dev.type == "cpu" else 0) // (n * n * x.element_size())
-    per = max(per, 2) if per else m
-    # one run: the active chains, gathered once per cycle in which some converged; several
-    # runs: each run's chains are a view of x when consecutive, else gathered into a buffer
-    # that stays cached (the gather reads them from memory once, as a product would)
-    mats: Tensor | None = x if per >= m else None
-    buf: Tensor | None = None
+    mats = x  # the active chains (gathered once per cycle in which some converged)
     for cycle in range(max_cycles):
-        ma = active.numel()
-        for c0 in range(0, ma, per):
-            sl = slice(c0, c0 + per)
-            bs, im = basis[sl], images[sl]
-            if mats is not None:
-                ms = mats[sl]
-            else:
-                idx = active[sl]
-                first, cnt = int(idx[0]), idx.numel()
-                if int(idx[-1]) - first == cnt - 1:
-                    ms = x[first:first + cnt]
-                else:
-                    if buf is None:
-                        buf = torch.empty(per, n, n, dtype=dt, device=dev)
-                    ms = torch.index_select(x, 0, idx, out=buf[:cnt])
-            im[:, filled - b:filled] = torch.bmm(bs[:, filled - b:filled], ms)
-            for lo in range(filled, d, b):
-                bs[:, lo:lo + b] = _orth_rows(im[:, lo - b:lo], bs[:, :lo], gen)
-                # assigned, not out=: bmm into a strided slice of images is 1.5x slower
-                im[:, lo:lo + b] = torch.bmm(bs[:, lo:lo + b], ms)  # (Mc, b, N) @ (Mc, N, N)
+        images[:, filled - b:filled] = torch.bmm(basis[:, filled - b:filled], mats)
+        for lo in range(filled, d, b):
+            basis[:, lo:lo + b] = _orth_rows(images[:, lo - b:lo], basis[:, :lo], gen)
+            # assigned, not out=: bmm into a strided slice of images is 1.5x slower
+            images[:, lo:lo + b] = torch.bmm(basis[:, lo:lo + b], mats)  # (Ma, b, N) @ (Ma, N, N)
         matvecs[active] += d - filled
         theta, vecs, r, prev_mod = _top_ritz(basis, images, d - b, tol)
         mod = theta[:, 0].abs()
@@ -892,8 +839,7 @@ def _lambda2_krylov(
         left = (~done).nonzero().squeeze(-1)
         if left.numel() < active.numel():  # one copy per cycle, cheaper than products on all
             active = active[left]
-            if mats is not None:
-                mats = mats.index_select(0, left)
+            mats = mats.index_select(0, left)
             basis, images = basis.index_select(0, left), images.index_select(0, left)
             theta, vecs = theta.index_select(0, left), vecs.index_select(0, left)
         f = _orth_rows(images[:, d - b:], basis, gen)  # the next Krylov block

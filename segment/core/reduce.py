@@ -1,7 +1,7 @@
 """On-the-fly reduction of captured attention, shared by every backbone.
 
 A backbone hands each selected layer's probabilities to :class:`AttentionReducer` as soon
-as they are computed; the reducer keeps only what the :class:`~segment.record.Capture`
+as they are computed; the reducer keeps only what the :class:`~segment.core.record.Capture`
 asks for (all heads, fused heads, or a running average over layers), so a run never holds
 more than one layer's raw matrices plus the reduced state.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from segment import markov
-from segment.record import AttentionRecord, Capture, TokenLayout
+from segment.core import markov
+from segment.core.record import AttentionRecord, Capture, TokenLayout
 
 
 def fuse_layer(attn: Tensor, heads: str, layout: TokenLayout) -> tuple[Tensor, Tensor | None]:

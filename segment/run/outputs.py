@@ -1,7 +1,7 @@
 """What a ``segment`` run writes: per-image files, COCO annotations, manifest and gallery.
 
 Layout of an output folder (``<name>`` keeps the image's sub-folders, see
-:func:`segment.io.output_names`)::
+:func:`segment.run.io.output_names`)::
 
     masks/<name>.png       0/255 foreground mask, original resolution (8-bit grey)
     heatmaps/<name>.png    heatmap R, original resolution: indexed PNG, index round(255 R),
@@ -43,7 +43,7 @@ import torch
 from PIL import Image
 from pycocotools import mask as mask_utils
 
-from segment.masks import MethodOutput, to_masks_and_labels
+from segment.core.masks import MethodOutput, to_masks_and_labels
 from segment.utils import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 FOREGROUND_ID = 1
@@ -127,9 +127,9 @@ def postprocess(out: MethodOutput, index: int, size: tuple[int, int],
                 label_upsampling: str = "smooth") -> Segmentation:
     """Image ``index`` of a batch output at ``size = (H, W)`` with the protocol's rule.
 
-    Uses :func:`segment.masks.to_masks_and_labels`: bilinear upsampling, min-max, threshold
+    Uses :func:`segment.core.masks.to_masks_and_labels`: bilinear upsampling, min-max, threshold
     at the mean (the union of foreground regions for region methods). The labels are
-    upsampled by ``label_upsampling``: ``smooth`` (:func:`segment.masks.smooth_labels_at`: the argmax
+    upsampled by ``label_upsampling``: ``smooth`` (:func:`segment.core.masks.smooth_labels_at`: the argmax
     of the regions' bilinearly upsampled one-hot maps), so region boundaries and the mask
     they bound do not step every ``H / h`` pixels on photos larger than the backbone
     input, or ``nearest`` (``segment-eval``'s rule at the label resolution).
@@ -667,6 +667,36 @@ def package_versions(names: Iterable[str] = (
             out[n] = None
     out["cuda"] = torch.version.cuda
     return out
+
+
+@dataclass
+class ImageStatus:
+    """Per-image outcome, for the manifest."""
+
+    name: str
+    source: str
+    status: str  # done | resumed | failed
+    reason: str | None = None
+    seconds: float | None = None
+    rank: int | None = None  # the torchrun rank that segmented it (distributed runs)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+def device_info(device: torch.device | None) -> dict[str, Any]:
+    """The device of a run for run.json: its name, torch threads (and CPU count)."""
+    if device is None:
+        return {}
+    info: dict[str, Any] = {"device": str(device), "torch_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        info["name"] = torch.cuda.get_device_name(device)
+    else:
+        import platform
+
+        info["name"] = platform.processor() or platform.machine()
+        info["cpu_count"] = os.cpu_count()
+    return info
 
 
 def write_manifest(path: str | os.PathLike, manifest: dict[str, Any]) -> None:

@@ -1,0 +1,22 @@
+"""Benchmarks (scripts that print numbers and ratios against a baseline measured in the
+same run; never timed tests).
+
+    python -m segment.eval.bench markov    [--sizes 257 1024 4096] [--device cpu|cuda] [--weights PATH]
+    python -m segment.eval.bench markov --accuracy [--images-224 10] [--images-448 2] [--root DIR]
+    python -m segment.eval.bench regions   [--sizes 224 448] [--batch 4] [--repeat 5] [--weights PATH] [method overrides]
+    python -m segment.eval.bench pipeline  ...   (segment.eval.bench.pipeline)
+    python -m segment.eval.bench flux      ...   (segment.eval.bench.flux)
+    python -m segment.eval.bench eval      ...   (segment.eval.bench.evaluator)
+    python -m segment.eval.bench gpu       [--quick] [--json PATH]   (segment.eval.bench.gpu: GPU self-check)
+
+``markov``: TokenRank and ``|lambda_2|`` on real DINOv2 ViT-S/14 attention heads (the
+shared weights, or ``--weights``; synthetic attention-like chains otherwise) against dense
+``torch.linalg.eigvals``, per head, with the error of the fast path against dense float64.
+``markov --accuracy``: the largest error of ``lambda2`` (``method="auto"``) against dense
+float64 ``eigvals`` over every head of every layer of several ecssd-dev images (10 at
+224 px and 2 at 448 px by default: 864 heads), with the range of ``|lambda_2|``.
+``regions``: the seed-and-grow stage per image against the backbone forward of the same
+batch, in ``--repeat`` interleaved rounds (medians; the ratio is the median of the rounds'
+ratios).
+"""
+

@@ -1,0 +1,46 @@
+"""Helpers shared by the benchmarks (timing, the shared weights, a bundled example)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+SIZES = {257: 224, 1025: 448, 4097: 896, 256: 224, 1024: 448, 4096: 896}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_time(fn: Callable[[], object], device: torch.device, repeat: int = 1) -> float:
+    """Best wall time of ``repeat`` runs (seconds)."""
+    best = float("inf")
+    for _ in range(repeat):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def find_weights(path: str | None) -> Path | None:
+    if path:
+        return Path(path)
+    shared = os.environ.get("SEGMENT_SHARED")
+    if shared and (Path(shared) / "weights" / "dinov2_vits14.safetensors").is_file():
+        return Path(shared) / "weights" / "dinov2_vits14.safetensors"
+    return None
+
+
+def example_image():
+    from importlib.resources import files
+
+    from PIL import Image
+
+    return Image.open(files("segment.datasets").joinpath("examples", "astronaut.png")).convert("RGB")

@@ -1,0 +1,82 @@
+"""``python -m segment.eval.bench regions``: the seed-and-grow stage against the forward of the same batch
+(see the package docstring)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Sequence
+
+import torch
+from segment.eval.bench.common import best_time, example_image, find_weights
+
+
+def bench_regions(argv: Sequence[str]) -> None:
+    from hydra import compose, initialize_config_module
+    from hydra.utils import instantiate
+    from segment.models.vit import TimmViT
+
+    p = argparse.ArgumentParser(prog="python -m segment.eval.bench regions")
+    p.add_argument("--sizes", type=int, nargs="+", default=[224, 448])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--weights", default=None)
+    p.add_argument("overrides", nargs="*", help="method overrides, e.g. method.refine_steps=0"
+                   " (anywhere on the line)")
+    # KEY=VALUE words are overrides wherever they stand (after --sizes too)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    args = p.parse_args([a for a in argv if a not in overrides])
+    device = torch.device(args.device)
+    weights = find_weights(args.weights)
+    with initialize_config_module(version_base="1.3", config_module="segment.configs"):
+        cfg = compose("segment", overrides=overrides + list(args.overrides))
+    method = instantiate(cfg.method)
+    print(f"# region growing vs backbone forward: method {type(method).__name__}, device "
+          f"{device}, {torch.get_num_threads()} threads, batch {args.batch}, "
+          f"weights {weights or 'random init'}")
+    print("| px | tokens | forward ms/img | extract ms/img | regions ms/img | regions / forward |"
+          " of which pixel refinement ms/img |")
+    print("|---|---|---|---|---|---|---|")
+    img = example_image()
+    for size in args.sizes:
+        model = TimmViT(name="dinov2_vits14", arch="vit_small_patch14_dinov2.lvd142m",
+                        pretrained=False, checkpoint=str(weights) if weights else None,
+                        image_size=size, device=str(device))
+        x = model.collate([img] * args.batch).to(device)
+        cap = method.capture(model.num_layers)
+        refine = getattr(method, "refine_steps", 0)
+
+        def no_refine() -> object:
+            method.refine_steps = 0
+            try:
+                return method(rec)
+            finally:
+                method.refine_steps = refine
+
+        with torch.no_grad():
+            rec = model.extract(x, cap)
+            method(rec)  # warm-up
+            # interleaved rounds (forward, extract, regions, regions without refinement): a
+            # machine that slows down or speeds up mid-run moves all four alike, and the
+            # ratio is the median of the rounds' ratios
+            rounds = [
+                (best_time(lambda: model.forward_plain(x), device),
+                 best_time(lambda: model.extract(x, cap), device),
+                 best_time(lambda: method(rec), device),
+                 best_time(no_refine, device) if refine else None)
+                for _ in range(args.repeat)
+            ]
+        t_fwd, t_ext, t_reg = (statistics.median(r[j] for r in rounds) for j in range(3))
+        ratio = statistics.median(r[2] / r[0] for r in rounds)
+        t_noref = statistics.median(r[3] for r in rounds) if refine else t_reg
+        b = args.batch
+        print(f"| {size} | {rec.layout.num_tokens} | {1e3 * t_fwd / b:.1f} | {1e3 * t_ext / b:.1f} | "
+              f"{1e3 * t_reg / b:.1f} | {ratio:.2f} | {1e3 * (t_reg - t_noref) / b:.1f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    bench_regions(sys.argv[1:])

@@ -1,0 +1,401 @@
+"""Seed and grow: regions as metastable states of a token chain (segment.core.regions)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from segment.core import markov
+from segment.core.masks import MethodOutput, minmax
+from segment.core.record import AttentionRecord, Capture, TokenLayout
+from segment.methods.attention import ClsAttention, keychain_step
+from segment.methods.base import (
+    Method,
+    as_compute,
+    grid_weights,
+    mean_patch_chain,
+    patch_chain,
+    refuse_inactive,
+)
+
+_CHAINS = ("attention", "keys", "mix")
+_SEEDS = ("auto", "all", "grid", "tokenrank")
+_KEY_FUSE = ("similarity", "chain", "concat")
+_SCORES = ("cls", "keychain")
+_HEATS = ("expected", "blend")
+
+
+@dataclass
+class RegionGrow(Method):
+    """Seed and grow: regions as metastable states of a token chain (:mod:`segment.core.regions`).
+
+    1. the chain ``P`` over grid tokens of the selected layer(s): the patch chain of the
+       attention (``chain: attention``), the key-similarity chain
+       ``softmax(cos(k_i, k_j) / key_temperature)`` (``keys``), or their mixture
+       ``(1 - key_weight) P_attn + key_weight P_keys`` (``mix``); heads fused by ``heads``
+       (``mean`` or ``lambda2``: weights from ``|lambda_2|`` of each head's chain); with
+       several ``layers`` their chains are averaged (``average_layers`` is refused);
+    2. seeds: every token (``all``), a grid every ``seed_stride`` tokens (``grid``, the
+       DiffSeg baseline), the ``num_seeds`` top TokenRank tokens of ``P`` with a
+       suppression window of ``seed_radius`` tokens (``tokenrank``), or ``auto``: every
+       token up to ``max_seeds`` tokens, else the densest grid with at most that many;
+    3. ``steps``-bounce propagation from every seed, merged while the symmetric KL is below
+       ``tau`` (``iterations`` rounds);
+    4. soft assignment of tokens to proposals, upsampled to the backbone input, refined by
+       ``refine_steps`` bounces of the edge-aware pixel chain (needs ``record.pixels``;
+       run at ``refine_scale`` of the input resolution, see :meth:`_refine`), argmax;
+       regions split into connected components, components under
+       ``min_area`` (fraction of the image) absorbed;
+    5. foreground (binary tasks): a region takes the decision of the merged proposal most
+       of its pixels took, a proposal being foreground when its mean score over its grid
+       tokens exceeds the score map's mean; the score is the CLS attention of
+       ``score_layers`` (mean of heads, ``score: cls``) or that map after one step of the layers' key chain (``score:
+       keychain``, :meth:`score_map`). The heatmap (for AP) is every pixel's expected
+       region score ``sum_k p_k score_k`` (``heat: expected``) or the mean of that map
+       (min-maxed), the score map (min-maxed) and the mask (``heat: blend``): the mask
+       ranks the foreground first, the maps rank the pixels inside each side;
+    6. regions for scenes: with ``label_tau < tau`` the labels are the seeds merged at the
+       finer ``label_tau``, cut along the mask of step 5 (:meth:`_finer_regions`), so the
+       mask and heatmap stay those of ``tau`` while the regions are finer.
+
+    Returns ``MethodOutput(heatmap, labels, foreground)`` at the backbone input resolution.
+    """
+
+    name: str = "regions"
+    gives_labels: ClassVar[bool] = True
+    _averages_layers: ClassVar[bool] = False  # refused below
+    chain: str = "mix"
+    key_temperature: float = 0.05
+    key_fuse: str = "similarity"
+    key_weight: float = 0.5
+    seeds: str = "auto"
+    max_seeds: int = 256
+    seed_stride: int = 2
+    num_seeds: int = 64
+    seed_radius: int = 1
+    steps: int = 2
+    tau: float = 0.2
+    iterations: int = 3
+    score_layers: Sequence[int] | int | None = (-1,)
+    refine_steps: int = 3
+    refine_radius: int = 8
+    refine_dilation: int = 4
+    refine_scale: float = 0.5
+    sigma_space: float = 5.0
+    sigma_color: float = 0.08
+    min_area: float = 0.002
+    connectivity: bool = True
+    score: str = "cls"
+    heat: str = "expected"
+    label_tau: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.average_layers:
+            raise ValueError(
+                f"{self.name}: average_layers is not a knob of regions: the chains of the"
+                " selected layers are always averaged (set layers instead)"
+            )
+        for knob, allowed in (("chain", _CHAINS), ("key_fuse", _KEY_FUSE), ("seeds", _SEEDS)):
+            if getattr(self, knob) not in allowed:
+                raise ValueError(
+                    f"{self.name}: {knob} must be one of {allowed}, got {getattr(self, knob)!r}"
+                )
+        for knob, low in (("steps", 1), ("max_seeds", 1), ("seed_stride", 1), ("num_seeds", 1),
+                          ("seed_radius", 0), ("iterations", 1), ("refine_steps", 0),
+                          ("refine_radius", 1), ("refine_dilation", 1)):
+            value = getattr(self, knob)
+            if isinstance(value, bool) or int(value) != value or value < low:
+                raise ValueError(f"{self.name}: {knob} must be an integer >= {low}, got {value!r}")
+        for knob in ("tau", "key_temperature", "sigma_space", "sigma_color"):
+            if not float(getattr(self, knob)) > 0:
+                raise ValueError(f"{self.name}: {knob} must be > 0, got {getattr(self, knob)!r}")
+        self._refine_px()  # refine_scale and the window it implies
+        if not 0.0 <= float(self.key_weight) <= 1.0:
+            raise ValueError(f"{self.name}: key_weight must lie in [0, 1], got {self.key_weight}")
+        if not 0.0 <= float(self.min_area) < 1.0:
+            raise ValueError(f"{self.name}: min_area is a fraction of the image in [0, 1)")
+        if self.label_tau is not None and not 0 < float(self.label_tau) <= float(self.tau):
+            raise ValueError(
+                f"{self.name}: label_tau must lie in (0, tau = {self.tau}] or be null, got"
+                f" {self.label_tau}"
+            )
+        if self.score not in _SCORES:
+            raise ValueError(f"{self.name}: score must be one of {_SCORES}, got {self.score!r}")
+        if self.heat not in _HEATS:
+            raise ValueError(f"{self.name}: heat must be one of {_HEATS}, got {self.heat!r}")
+        refuse_inactive(self, self._conditional_knobs())
+        self._score = ClsAttention(name=f"{self.name}.score", layers=self.score_layers,
+                                   heads="mean")
+
+    def _conditional_knobs(self) -> list[tuple[str, bool, str]]:
+        """The knobs that act only with other settings: ``(knob, acts now, with what)``
+        (:func:`refuse_inactive`)."""
+        return [
+            # chain=keys with key_fuse=concat is one chain from all heads' keys: nothing to weigh
+            ("heads", not (self.chain == "keys" and self.key_fuse == "concat"),
+             "chain=attention or chain=mix, or key_fuse=similarity or key_fuse=chain (with"
+             " chain=keys and key_fuse=concat one chain comes from the concatenated keys of all"
+             " heads)"),
+            ("key_weight", self.chain == "mix", "chain=mix"),
+            ("key_fuse", self._needs_keys, "chain=keys or chain=mix"),
+            ("key_temperature", self._needs_keys or self.score == "keychain",
+             "chain=keys, chain=mix or score=keychain"),
+            ("max_seeds", self.seeds == "auto", "seeds=auto"),
+            ("seed_stride", self.seeds == "grid", "seeds=grid"),
+            ("num_seeds", self.seeds == "tokenrank", "seeds=tokenrank"),
+            ("seed_radius", self.seeds == "tokenrank", "seeds=tokenrank"),
+            *((knob, int(self.refine_steps) > 0, "refine_steps >= 1 (the pixel chain)")
+              for knob in ("refine_radius", "refine_dilation", "refine_scale", "sigma_space",
+                           "sigma_color")),
+            ("min_area", bool(self.connectivity), "connectivity=true"),
+        ]
+
+    @property
+    def _needs_keys(self) -> bool:
+        return self.chain in ("keys", "mix")
+
+    def capture(self, num_layers: int) -> Capture:
+        mine = Capture(
+            layers=Capture(layers=self.layers).resolve(num_layers),
+            heads="keep" if self._needs_keys or self.heads == "lambda2" else "mean",
+            keys=self._needs_keys,
+        )
+        score = self._score.capture(num_layers)
+        if self.score == "keychain":  # the smoothing chain needs the score layers' keys
+            score = Capture(layers=score.layers, heads="keep", keys=True)
+        return mine.union(score, num_layers)
+
+    def score_map(self, record: AttentionRecord) -> Tensor:
+        """``(B, h, w)`` the foreground score on the grid.
+
+        ``score: cls``: the CLS attention of ``score_layers`` (mean of heads).
+        ``score: keychain``: that map after one step of the key chain of the same layers
+        (:func:`keychain_step`, ``cls_keychain`` of ecssd-dev/REFERENCE.md and the
+        :class:`ClsKeyChain` method): every token takes the mean score of the tokens whose
+        keys resemble its own, so a whole object lights up, not only its most attended parts.
+        """
+        cls = self._score(record).heatmap.float()
+        if self.score == "cls":
+            return cls
+        return keychain_step(record, cls, self._score._resolve(record), float(self.key_temperature),
+                             self.name)
+
+    # the chain over grid tokens ----------------------------------------------------------
+
+    def _attention_chain(self, attn: Tensor, layout: TokenLayout) -> Tensor:
+        if self.heads == "mean" and attn.shape[1] > 1:
+            return mean_patch_chain(attn, layout)
+        chain = patch_chain(as_compute(attn), layout)  # (B, H, n, n)
+        if chain.shape[1] == 1:
+            return chain[:, 0]
+        return markov.fuse_heads(chain, grid_weights(chain, self.heads))
+
+    def _key_chain(self, keys: Tensor, layout: TokenLayout) -> Tensor:
+        from segment.core.regions import key_chain
+
+        k = as_compute(keys[:, :, layout.patches])  # (B, H, n, D)
+        t = float(self.key_temperature)
+        if self.key_fuse == "concat":  # cosine of the whole key vectors (all heads)
+            return key_chain(k.transpose(1, 2).flatten(2), t)
+        b, h = k.shape[:2]
+        if self.heads == "mean" and self.key_fuse == "similarity":
+            w = torch.full((b, h), 1.0 / h, dtype=k.dtype, device=k.device)
+        else:  # per-head chains: fused directly, or for their lambda_2
+            per_head = key_chain(k, t)  # (B, H, n, n)
+            w = grid_weights(per_head, self.heads)  # (B, H)
+            if self.key_fuse == "chain":  # sum_h w_h softmax(cos_h / T)
+                return markov.fuse_heads(per_head, w)
+        # similarity: softmax_j(sum_h w_h cos_h(k_i, k_j) / T)
+        kn = F.normalize(k, dim=-1)
+        sim = torch.einsum("bh,bhid,bhjd->bij", w, kn, kn)
+        return torch.softmax(sim.div_(t), dim=-1)
+
+    def grid_chain(self, record: AttentionRecord) -> Tensor:
+        """``(B, n, n)`` the chain the regions grow on (layers averaged)."""
+        layers = self._resolve(record)
+        layout = record.layout
+        chains = []
+        for i in layers:
+            if self.chain in ("attention", "mix"):
+                if i not in record.attn:
+                    raise ValueError(f"{self.name}: layer {i} was not captured ({record.layers})")
+                self._check_heads(record, i, record.attn[i])
+                pa = self._attention_chain(record.attn[i], layout)
+            if self.chain in ("keys", "mix"):
+                if i not in record.keys:
+                    raise ValueError(
+                        f"{self.name}: chain={self.chain} needs the keys of layer {i}; capture"
+                        " with method.capture(num_layers) (Capture.keys)"
+                    )
+                pk = self._key_chain(record.keys[i], layout)
+            if self.chain == "attention":
+                chains.append(pa)
+            elif self.chain == "keys":
+                chains.append(pk)
+            else:  # (1 - w) P_attention + w P_keys; pk is this call's own tensor
+                wk = float(self.key_weight)
+                chains.append(pk.mul_(wk).add_(pa * (1 - wk)))
+        return chains[0] if len(chains) == 1 else torch.stack(chains).mean(0)
+
+    # the stage -----------------------------------------------------------------------------
+
+    def __call__(self, record: AttentionRecord) -> MethodOutput:
+        from segment.core import regions as rg
+
+        layout = record.layout
+        h, w = layout.grid
+        chain = self.grid_chain(record)  # (B, n, n)
+        b, n, _ = chain.shape
+        if self.seeds == "all":
+            seeds = torch.arange(n, device=chain.device)
+        elif self.seeds == "auto":  # every token up to max_seeds, else the densest grid below
+            stride = max(1, math.ceil(math.sqrt(n / max(1, int(self.max_seeds)))))
+            seeds = rg.grid_seeds((h, w), stride, chain.device)
+        elif self.seeds == "grid":
+            seeds = rg.grid_seeds((h, w), int(self.seed_stride), chain.device)
+        else:
+            rank = markov.tokenrank(chain, alpha=0.99)
+            seeds = rg.tokenrank_seeds(rank, (h, w), min(int(self.num_seeds), n),
+                                       int(self.seed_radius))
+        dist = rg.propagate(chain, seeds, int(self.steps))  # (B, S, n)
+        kl = rg.symmetric_kl(dist, dist)  # the first round of both merges (tau, label_tau)
+        props = rg.merge_proposals(dist, float(self.tau), int(self.iterations), kl=kl)
+        grid_prob = rg.soft_assign(props).view(b, -1, h, w)  # (B, K, h, w)
+        kp = grid_prob.shape[1]
+        cls = self.score_map(record)  # (B, h, w) foreground score on the grid
+        size = tuple(record.image_size)
+        cls_img = F.interpolate(cls.unsqueeze(1), size=size, mode="bilinear",
+                                align_corners=False)[:, 0]
+        # mean score over each proposal's tokens, on the grid
+        prop_score = rg.region_scores(grid_prob.max(1).indices, cls, kp)
+        prop_fg = prop_score > cls.flatten(1).mean(1, keepdim=True)
+
+        if int(self.refine_steps) > 0 and record.pixels is not None:
+            prob = self._refine(grid_prob, record.pixels, size)
+        else:
+            prob = F.interpolate(grid_prob, size=size, mode="bilinear", align_corners=False)
+        hard = prob.max(1).indices  # (B, H, W) proposal of every pixel (max: faster than argmax)
+        if self.connectivity:
+            area = int(round(float(self.min_area) * size[0] * size[1]))
+            labels = rg.connected_regions(hard, min_area=area)
+        else:
+            labels = rg.relabel(hard)
+        k = int(labels.max()) + 1
+        cls_img = cls_img.to(labels.device)
+        # every region inherits the decision of the proposal most of its pixels took
+        votes = torch.zeros(b, k, kp, device=labels.device)
+        votes.view(b, -1).scatter_add_(
+            1, (labels * kp + hard).flatten(1), torch.ones_like(hard.flatten(1), dtype=votes.dtype)
+        )
+        foreground = torch.gather(prop_fg.to(labels.device), 1, votes.argmax(-1))
+        present = torch.zeros(b, k, dtype=torch.bool, device=labels.device)
+        present.scatter_(1, labels.flatten(1), True)
+        foreground &= present
+        # heatmap (AP): every pixel's expected proposal score under the soft assignment
+        heat = torch.bmm(prop_score.to(prob).unsqueeze(1), prob.flatten(2)).view_as(cls_img)
+        fg_px = torch.gather(foreground, 1, labels.flatten(1))
+        if self.heat == "blend":  # rank by the mask, then by the scores inside it
+            heat = (minmax(heat) + minmax(cls_img.to(heat)) + fg_px.view_as(heat).to(heat)) / 3
+        # an image whose regions all fell on one side (one region, or a uniform decision)
+        # has no foreground/background split: fall back to the protocol's pixel rule on the
+        # CLS attention (heatmap and mask), the method's floor
+        flat = fg_px.all(1) | ~fg_px.any(1)
+        if bool(flat.any()):
+            r = cls_img.flatten(1)
+            heat = torch.where(flat.view(b, 1, 1), cls_img.to(heat), heat)
+            split = (r > r.mean(1, keepdim=True)).view_as(labels).long()
+            labels = torch.where(flat.view(b, 1, 1), split, labels)
+            if foreground.shape[1] < 2:
+                foreground = F.pad(foreground, (0, 1))
+            two = torch.zeros_like(foreground)
+            two[:, 1] = True
+            foreground = torch.where(flat.view(b, 1), two, foreground)
+        if self.label_tau is not None and float(self.label_tau) < float(self.tau):
+            labels, foreground = self._finer_regions(dist, kl, labels, foreground, (h, w))
+        return MethodOutput(heatmap=heat, labels=labels, foreground=foreground)
+
+    def _refine_px(self) -> tuple[int, int, float]:
+        """The pixel chain's window at ``refine_scale``: ``(radius, dilation, sigma_space)``
+        in pixels of the grid it runs on (the knobs are in pixels of the backbone input)."""
+        s = self.refine_scale
+        if isinstance(s, bool) or not 0.0 < float(s) <= 1.0:
+            raise ValueError(f"{self.name}: refine_scale must lie in (0, 1], got {s!r}")
+        s = float(s)
+        px = []
+        for knob in ("refine_radius", "refine_dilation"):
+            v = int(getattr(self, knob)) * s
+            if abs(v - round(v)) > 1e-6 or round(v) < 1:
+                raise ValueError(
+                    f"{self.name}: refine_scale={s} turns {knob}={getattr(self, knob)} px"
+                    f" into {v:g} px on the refined grid; choose values whose product with"
+                    " refine_scale is a whole number >= 1"
+                )
+            px.append(int(round(v)))
+        return px[0], px[1], float(self.sigma_space) * s
+
+    def _refine(self, grid_prob: Tensor, pixels: Tensor, size: tuple[int, int]) -> Tensor:
+        """Soft assignment ``(B, K, h, w)`` on the grid -> refined ``(B, K, H, W)`` at the
+        backbone input ``size``.
+
+        ``refine_scale`` 1: bilinear upsampling to ``size``, then the pixel chain there.
+        Below 1 the chain runs on ``round(s H) x round(s W)`` pixels: the assignment is
+        upsampled bilinearly to that size, the image area-averaged to it, the window
+        (``refine_radius``, ``refine_dilation``, ``sigma_space``, all in input pixels) scaled
+        by ``s`` so it covers the same part of the image, and the refined maps upsampled
+        bilinearly to ``size``. The pixel chain's cost falls with ``s^2`` (the joint
+        bilateral upsampling idea: edges found at a lower resolution, then interpolated).
+        """
+        from segment.core import regions as rg
+
+        radius, dilation, sigma_space = self._refine_px()
+        s = float(self.refine_scale)
+        small = size if s == 1.0 else (max(1, round(size[0] * s)), max(1, round(size[1] * s)))
+        prob = F.interpolate(grid_prob, size=small, mode="bilinear", align_corners=False)
+        image = pixels.to(prob.device)
+        if small != size:
+            image = F.adaptive_avg_pool2d(image, small)
+        prob = rg.pixel_chain_refine(
+            prob, image, radius=radius, dilation=dilation, sigma_space=sigma_space,
+            sigma_color=float(self.sigma_color), steps=int(self.refine_steps),
+            nonzero=grid_prob.flatten(2).any(2),  # bilinear upsampling keeps zero maps zero
+        )
+        if small != size:
+            prob = F.interpolate(prob, size=size, mode="bilinear", align_corners=False)
+        return prob
+
+    def _finer_regions(self, dist: Tensor, kl: Tensor, labels: Tensor, foreground: Tensor,
+                       grid: tuple[int, int]) -> tuple[Tensor, Tensor]:
+        """The regions of ``label_tau`` (finer than ``tau``), split along the mask.
+
+        The seeds' distributions merged at ``label_tau`` give finer proposals; every pixel
+        takes its most likely one (bilinear on the image, no pixel refinement); with
+        ``connectivity`` they are split into components and specks under ``min_area``
+        absorbed; then each region is cut along the mask decided at ``tau``, so the mask
+        is exactly the one of ``tau``. A region is foreground when its pixels are in the
+        mask.
+
+        Returns:
+            ``(B, H, W)`` labels and ``(B, K')`` foreground.
+        """
+        from segment.core import regions as rg
+
+        b, size = labels.shape[0], tuple(labels.shape[-2:])
+        fine = rg.merge_proposals(dist, float(self.label_tau), int(self.iterations), kl=kl)
+        grid_prob = rg.soft_assign(fine).view(b, -1, *grid)
+        mask = torch.gather(foreground, 1, labels.flatten(1)).view_as(labels)
+        # every pixel's most likely proposal, over the image's own proposals (they come
+        # first); components and specks before the cut: the mask stays exact
+        area = int(round(float(self.min_area) * size[0] * size[1])) if self.connectivity else None
+        hard = rg.argmax_regions(grid_prob, fine.count.tolist(), size, area).to(labels.device)
+        new = rg.relabel(hard * 2 + mask.long())  # each region cut along the mask
+        # every region lies on one side of the mask: its pixels write that side (ids an
+        # image does not use stay background)
+        fg = torch.zeros(b, int(new.max()) + 1, dtype=torch.bool, device=new.device)
+        return new, fg.scatter_(1, new.flatten(1), mask.flatten(1))
