@@ -154,3 +154,54 @@ def test_torchrun_two_ranks_equal_one_and_resume_with_other_rank_counts(setup):
     assert redone == set(lost)
     _same_coco(one, two)
     assert _files(one, "masks") == _files(two, "masks")
+
+
+_DYING_METHOD = '''
+import os
+import signal
+from dataclasses import dataclass
+
+from segment.methods import ClsAttention
+
+CALLS = []
+
+
+@dataclass
+class DieOnRankOne(ClsAttention):
+    """CLS attention that kills its own process (SIGKILL, as the kernel's OOM killer does)
+    on torchrun rank 1 when asked for its second batch."""
+
+    def __call__(self, record):
+        if os.environ.get("RANK") == "1":
+            CALLS.append(record.batch_size)
+            if len(CALLS) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().__call__(record)
+'''
+
+
+@pytest.mark.slow
+def test_torchrun_a_dying_rank_keeps_finished_images_and_a_rerun_completes_the_run(setup, tmp_path):
+    """One rank killed mid-run (SIGKILL): torchrun fails, every image recorded as done has all
+    its files, and the same command in one process resumes those and does only the rest."""
+    root, src, args = setup
+    (tmp_path / "dying_method.py").write_text(_DYING_METHOD)
+    out = tmp_path / "out"
+    run_args = [*args, "method=cls_attention", "method._target_=dying_method.DieOnRankOne", f"output={out}"]
+    env_path = f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": env_path}
+    r = subprocess.run([*_torchrun(2), *run_args], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0, (r.stdout + r.stderr)[-3000:]
+    records = {p.stem: json.loads(p.read_text()) for p in (out / "records").glob("*.json")}
+    assert 1 <= len(records) < 7  # rank 1's first batch at least; never the images it had left
+    for rec in records.values():  # a recorded image is whole
+        for rel in rec["outputs"].values():
+            assert (out / rel).is_file() and (out / rel).stat().st_size > 0, rel
+    again = subprocess.run([sys.executable, "-m", "segment", *run_args], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    man = json.loads((out / "run.json").read_text())
+    resumed = {s["name"] for s in man["images"] if s["status"] == "resumed"}
+    assert set(records) <= resumed  # (rank 0 may finish the file it was writing when told to stop)
+    assert man["counts"]["resumed"] == len(resumed)
+    assert man["counts"]["segmented"] + man["counts"]["resumed"] == 7 and man["counts"]["failed"] == 1

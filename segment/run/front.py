@@ -394,6 +394,8 @@ _HELP = {
              "offline: local weights, the bundled example photos"),
             ("segment input=photos/ output=results/", "weights from the Hugging Face hub (cached)"),
             ("segment input=photos/ output=results/ model=dinov2_vitb14_reg4 device=cuda batch_size=32", ""),
+            ("torchrun --nproc_per_node=4 -m segment input=photos/ output=results/",
+             "several processes (GPUs: device=cuda; CPUs: gloo), one node or many"),
         ],
         required=[
             ("input=DIR", "a folder (read recursively) or one image; default: the bundled examples"),
