@@ -322,10 +322,10 @@ def test_metric_cache_is_keyed_by_version_and_code(folder, tmp_path, monkeypatch
     assert "reused 0 of 6 (image, method) results" in caplog.text
     assert "1 other cache folder" in caplog.text
 
-    # a change to the source of one method's module rescored that method only
+    # a change to the source of the module a method lives in rescored it
     _poison_cache(out)
     real = runner._module_source
-    edited = lambda name: real(name) + (b"# edited" if name == "segment.methods" else b"")  # noqa: E731
+    edited = lambda name: real(name) + (b"# edited" if name == "segment.methods.attention" else b"")  # noqa: E731
     monkeypatch.setattr(runner, "_module_source", edited)
     caplog.clear()
     assert run_eval(cfg) == EXIT_OK
