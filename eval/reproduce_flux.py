@@ -1,4 +1,4 @@
-"""Reproduce every FLUX table of the README in one process (``bash eval/reproduce_flux.sh``).
+"""Reproduce every FLUX table of docs/flux.md in one process (``bash eval/reproduce_flux.sh``).
 
 Runs ``experiment=flux_imagenet_seg`` (the paper's multi-bounce row and the chain /
 direction / bounces / blocks grid), ``flux_concept_attention`` (ConceptAttention's published

@@ -30,3 +30,20 @@ def test_install_lines_and_torch_constraint_agree():
     (req,) = [Requirement(d) for d in deps if Requirement(d).name == "torch"]
     assert str(req.specifier) == f">={claimed}"  # no cap the README does not mention
     assert Version(torch.__version__.split("+")[0]) in req.specifier
+
+
+def test_readme_is_a_manual_and_its_links_resolve():
+    """The README stays a manual (at most 300 lines) and every relative link of it and of
+    docs/ names a file of the checkout (a renamed doc or picture fails here)."""
+    readme = REPO / "README.md"
+    assert len(readme.read_text().splitlines()) <= 300
+    docs = sorted((REPO / "docs").glob("*.md"))
+    assert docs, "docs/ holds the manual's chapters"
+    missing = []
+    for page in [readme, *docs]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target:
+                continue
+            if not (page.parent / target).exists():
+                missing.append(f"{page.relative_to(REPO)} -> {target}")
+    assert not missing, missing

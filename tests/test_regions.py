@@ -392,7 +392,7 @@ def test_region_grow_on_tiny_random_vit():
 @pytest.mark.shared
 def test_default_recipe_beats_cls_attention_on_ecssd_dev(dinov2_weights, ecssd_dev):
     """The default method (configs/method/regions.yaml) against CLS attention on 20 real
-    images of ecssd-dev with the shared DINOv2 (the full table is in the README)."""
+    images of ecssd-dev with the shared DINOv2 (the full table is in docs/recipe.md)."""
     from hydra import compose, initialize_config_module
     from hydra.utils import instantiate
     from PIL import Image
