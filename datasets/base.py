@@ -45,12 +45,16 @@ class Sample:
             unlabelled pixels for multi-class sets.
         class_name: the object's class in words (ImageNet-segmentation, COCO binary), or
             ``None`` where the set has none.
+        original: binary sets that resize their masks: the bool ground truth at its
+            original resolution (the peer metrics are scored there); ``None`` where
+            ``target`` is already the original.
     """
 
     name: str
     image: Image.Image
     target: np.ndarray
     class_name: str | None = None
+    original: np.ndarray | None = None
 
 
 class SegmentationDataset(Dataset, abc.ABC):

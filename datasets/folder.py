@@ -3,7 +3,9 @@
 Masks may be 0/255 or 0/1 (any Pillow mode; 16-bit and float included); graded masks are
 binarised at ``threshold`` (a fraction of the mask's full scale, 0.5 by default). The mask is
 resized to the evaluation size with Pillow ``NEAREST`` before thresholding, exactly like
-ecssd-dev's REFERENCE.md: ``convert('L').resize((224, 224), NEAREST) > 127``.
+ecssd-dev's REFERENCE.md: ``convert('L').resize((224, 224), NEAREST) > 127``. Each sample
+also carries the mask binarised at its original size (``Sample.original``), where
+``segment-eval`` scores the peer metrics (fgIoU, acc, maxF).
 """
 
 from __future__ import annotations
@@ -133,15 +135,22 @@ class FolderPairs(SegmentationDataset):
 
     def mask(self, index: int) -> np.ndarray:
         """``(H, W)`` bool mask of item ``index`` at the evaluation size."""
+        return self.masks(index)[0]
+
+    def masks(self, index: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Item ``index``'s bool mask at the evaluation size and, when that is not its own
+        size, at its original size (binarised there at ``threshold``; else ``None``)."""
         _, _, path = self.items[self._check_index(index)]
         im = open_image(path, "a mask image (0/255, 0/1 or graded)")
-        if self.size is not None and im.size != (self.size[1], self.size[0]):
-            if im.mode not in ("L", "I", "I;16", "I;16B", "I;16L", "F"):
-                im = im.convert("L")  # 1, P, RGB, RGBA, LA, CMYK ... as the reference reads them
-            im = im.resize((self.size[1], self.size[0]), Image.NEAREST)
-        return mask_to_fraction(im) > self.threshold
+        if self.size is None or im.size == (self.size[1], self.size[0]):
+            return mask_to_fraction(im) > self.threshold, None
+        if im.mode not in ("L", "I", "I;16", "I;16B", "I;16L", "F"):
+            im = im.convert("L")  # 1, P, RGB, RGBA, LA, CMYK ... as the reference reads them
+        original = mask_to_fraction(im) > self.threshold
+        return mask_to_fraction(im.resize((self.size[1], self.size[0]), Image.NEAREST)) > self.threshold, original
 
     def __getitem__(self, index: int) -> Sample:
         index = self._check_index(index)
         name, img_path, _ = self.items[index]
-        return Sample(name=name, image=load_rgb(img_path), target=self.mask(index))
+        target, original = self.masks(index)
+        return Sample(name=name, image=load_rgb(img_path), target=target, original=original)

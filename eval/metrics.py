@@ -14,6 +14,12 @@ Binary (ImageNet-segmentation protocol, Chefer et al.'s evaluation code):
   two-channel scores ``[1 - R, R]`` against targets ``[1 - G, G]`` (``2 H W`` samples),
   NaN -> 0.
 
+Peer metrics of binary sets (the saliency literature's, so the table can stand next to
+TokenCut's and FOUND's; see the "peer metrics" section below): per-image foreground IoU
+(``fgIoU``) and pixel accuracy (``acc``) averaged over images, and the max F-measure
+(``maxF``, ``beta^2 = 0.3``, 255 thresholds), scored at the ground truth's original
+resolution where the data set provides it.
+
 Multi-class (DiffSeg protocol): per image, Hungarian matching (scipy
 ``linear_sum_assignment``, maximising matched pixels) between predicted segments and the
 ground-truth classes; TP / FP / FN summed over the set (pixels of unmatched segments count
@@ -51,6 +57,12 @@ class BinaryScores:
         mIoU_CA: ConceptAttention's mIoU variant, ``pixAcc / (2 - pixAcc)``.
         mAP: mean over images of the pooled two-channel average precision.
         images: number of images scored.
+        fgIoU: peer metric: per-image foreground IoU, averaged over the images.
+        acc: peer metric: per-image pixel accuracy, averaged over the images.
+        maxF: peer metric: max over 255 thresholds of F_beta (beta^2 = 0.3) of the
+            image-mean precision and recall (the saliency toolboxes' max F-measure).
+        maxF_img: peer metric: max over the thresholds of the image-mean F_beta (TokenCut's
+            ``F_max``). See the "peer metrics" section of this module.
     """
 
     pixAcc: float
@@ -58,6 +70,10 @@ class BinaryScores:
     mIoU_CA: float
     mAP: float
     images: int
+    fgIoU: float = 0.0
+    acc: float = 0.0
+    maxF: float = 0.0
+    maxF_img: float = 0.0
 
     def percent(self) -> dict[str, float | int]:
         """The scores in percent (``images`` stays a count)."""
@@ -67,6 +83,10 @@ class BinaryScores:
             "mIoU_CA": 100.0 * self.mIoU_CA,
             "mAP": 100.0 * self.mAP,
             "images": self.images,
+            "fgIoU": 100.0 * self.fgIoU,
+            "acc": 100.0 * self.acc,
+            "maxF": 100.0 * self.maxF,
+            "maxF_img": 100.0 * self.maxF_img,
         }
 
 
@@ -81,6 +101,11 @@ class BinaryState:
         union: ``[bg, fg]`` unions ``|P_c | G_c|``.
         ap_sum: sum of the per-image average precisions.
         images: number of images.
+        iou_sum: sum of the per-image foreground IoUs (peer metrics).
+        acc_sum: sum of the per-image pixel accuracies (peer metrics).
+        prec_sum: ``(255,)`` sum of the per-image precision curves (peer metrics).
+        rec_sum: ``(255,)`` sum of the per-image recall curves.
+        f_sum: ``(255,)`` sum of the per-image F_beta curves.
     """
 
     correct: int = 0
@@ -89,6 +114,11 @@ class BinaryState:
     union: list[int] = field(default_factory=lambda: [0, 0])
     ap_sum: float = 0.0
     images: int = 0
+    iou_sum: float = 0.0
+    acc_sum: float = 0.0
+    prec_sum: list[float] = field(default_factory=lambda: [0.0] * PEER_BINS)
+    rec_sum: list[float] = field(default_factory=lambda: [0.0] * PEER_BINS)
+    f_sum: list[float] = field(default_factory=lambda: [0.0] * PEER_BINS)
 
     def __add__(self, other: BinaryState) -> BinaryState:
         if not isinstance(other, BinaryState):
@@ -100,6 +130,11 @@ class BinaryState:
             union=[a + b for a, b in zip(self.union, other.union)],
             ap_sum=self.ap_sum + other.ap_sum,
             images=self.images + other.images,
+            iou_sum=self.iou_sum + other.iou_sum,
+            acc_sum=self.acc_sum + other.acc_sum,
+            prec_sum=(np.asarray(self.prec_sum) + np.asarray(other.prec_sum)).tolist(),
+            rec_sum=(np.asarray(self.rec_sum) + np.asarray(other.rec_sum)).tolist(),
+            f_sum=(np.asarray(self.f_sum) + np.asarray(other.f_sum)).tolist(),
         )
 
     def scores(self) -> BinaryScores:
@@ -107,12 +142,17 @@ class BinaryState:
         reference code's ``inter / (eps + union)`` does)."""
         acc = self.correct / self.labeled if self.labeled else 0.0
         ious = [i / u if u else 0.0 for i, u in zip(self.inter, self.union)]
+        n = self.images
         return BinaryScores(
             pixAcc=acc,
             mIoU=float(np.mean(ious)),
             mIoU_CA=miou_ca(acc),
-            mAP=self.ap_sum / self.images if self.images else 0.0,
-            images=self.images,
+            mAP=self.ap_sum / n if n else 0.0,
+            images=n,
+            fgIoU=self.iou_sum / n if n else 0.0,
+            acc=self.acc_sum / n if n else 0.0,
+            maxF=max_f_of_means(self.prec_sum, self.rec_sum, n),
+            maxF_img=max_mean_f(self.f_sum, n),
         )
 
     def to_dict(self) -> dict:
@@ -120,16 +160,26 @@ class BinaryState:
             "kind": "binary", "correct": self.correct, "labeled": self.labeled,
             "inter": list(self.inter), "union": list(self.union), "ap_sum": self.ap_sum,
             "images": self.images,
+            "peer": {"iou_sum": self.iou_sum, "acc_sum": self.acc_sum,
+                     "prec_sum": list(self.prec_sum), "rec_sum": list(self.rec_sum),
+                     "f_sum": list(self.f_sum)},
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> BinaryState:
         if d.get("kind") != "binary":
             raise ValueError(f"not a binary metric state: {d!r}")
+        peer = d.get("peer")
+        if not isinstance(peer, dict):
+            raise ValueError("binary metric state without its peer metrics (an older cache format)")
+        curves = {k: [float(x) for x in peer[k]] for k in ("prec_sum", "rec_sum", "f_sum")}
+        if any(len(v) != PEER_BINS for v in curves.values()):
+            raise ValueError(f"binary metric state: peer curves must have {PEER_BINS} thresholds")
         return cls(
             correct=int(d["correct"]), labeled=int(d["labeled"]),
             inter=[int(x) for x in d["inter"]], union=[int(x) for x in d["union"]],
             ap_sum=float(d["ap_sum"]), images=int(d["images"]),
+            iou_sum=float(peer["iou_sum"]), acc_sum=float(peer["acc_sum"]), **curves,
         )
 
 
@@ -286,13 +336,16 @@ def pooled_average_precision(score: Tensor | np.ndarray, gt: Tensor | np.ndarray
     return float(pooled_average_precisions(r, g)[0])
 
 
-def binary_states(score: Tensor, pred: Tensor, gt: Tensor) -> list[BinaryState]:
+def binary_states(score: Tensor, pred: Tensor, gt: Tensor, peer: PeerCurves | None = None) -> list[BinaryState]:
     """Per-image states of a batch.
 
     Args:
         score: ``(B, H, W)`` heatmaps ``R`` in ``[0, 1]`` (for AP).
         pred: ``(B, H, W)`` bool predicted foreground.
         gt: ``(B, H, W)`` bool ground truth.
+        peer: the images' peer quantities (:func:`peer_curves`, ``B`` rows), computed where
+            the caller chooses (``segment-eval``: at the ground truth's original resolution);
+            ``None``: from ``score``, ``pred`` and ``gt`` themselves.
 
     Returns:
         One :class:`BinaryState` per image (AP computed on ``score``'s device).
@@ -319,6 +372,10 @@ def binary_states(score: Tensor, pred: Tensor, gt: Tensor) -> list[BinaryState]:
     union_bg = n - inter_fg  # |~P | ~G| = |~(P & G)|
     correct = inter_fg + inter_bg
     aps = pooled_average_precisions(score, gt.to(score.device)).cpu().tolist()
+    if peer is None:
+        peer = peer_curves(score, pred, gt)
+    if peer.iou.shape[0] != b:
+        raise ValueError(f"peer curves of {peer.iou.shape[0]} images for a batch of {b}")
     return [
         BinaryState(
             correct=int(correct[i]),
@@ -327,9 +384,165 @@ def binary_states(score: Tensor, pred: Tensor, gt: Tensor) -> list[BinaryState]:
             union=[int(union_bg[i]), int(union_fg[i])],
             ap_sum=aps[i],
             images=1,
+            iou_sum=float(peer.iou[i]),
+            acc_sum=float(peer.acc[i]),
+            prec_sum=peer.precision[i].tolist(),
+            rec_sum=peer.recall[i].tolist(),
+            f_sum=peer.f[i].tolist(),
         )
         for i in range(b)
     ]
+
+
+# ---------------------------------------------------------------------------- peer metrics
+#
+# The saliency literature's numbers for binary sets, next to the protocol's (issue 39),
+# per image, then averaged over images. ``segment-eval`` scores them at the ground truth's
+# ORIGINAL resolution (folder sets keep the native mask, binarised at the set's threshold,
+# 0.5 by default) with the method's mask and heatmap as ``segment`` writes them there
+# (see ``segment.eval.runner.peer_maps``); these functions take whatever they are given.
+#
+# - fgIoU:    mean_i |P_i & G_i| / |P_i | G_i|   (1 where both are empty)
+# - acc:      mean_i (pixels with P_i == G_i) / pixels_i
+# - maxF:     max_k F_beta(mean_i prec_ik, mean_i rec_ik), beta^2 = 0.3: precision and recall
+#             averaged over images at each of the 255 thresholds, F of those means, then the
+#             maximum over thresholds (the PR-curve max F-measure of the saliency toolboxes);
+# - maxF_img: max_k mean_i F_beta(prec_ik, rec_ik): every image's F curve averaged over the
+#             images, then the maximum: TokenCut's ``F_max``
+#             (github.com/YangtaoWANG95/TokenCut, unsupervised_saliency_detection/metric.py),
+#             the definition behind its ECSSD anchors (maxF 80.3, 87.4 with the bilateral
+#             solver). TokenCut thresholds its *binary* mask there, so all its thresholds give
+#             the same mask and its maxF is the mean F_beta of that mask. FOUND's evaluation
+#             (github.com/valeoai/FOUND, evaluation/metrics/f_measure.py, from SelfMask) also
+#             averages per-image F curves but squares its ``beta_square = 0.3`` again
+#             (``1 + beta_square**2``: beta^2 = 0.09 in effect), a quirk not reproduced here.
+#
+# Thresholds as in TokenCut: ``t_k = k / 255`` for ``k = 0 .. 254`` (``np.arange(0, 1, 1/255)``),
+# foreground where ``R > t_k`` (strict, compared in float64). ``R`` is min-max normalised per
+# image (``segment.core.masks.heatmap_at``), not quantised to 8 bits. Precision 0/0 (nothing
+# predicted at ``t_k``) counts as 1 and recall 0/0 (an empty ground truth) as 1: TokenCut's
+# ``precision_recall``. It can only happen at thresholds >= the map's maximum, so never for
+# a min-max normalised map (maximum 1 > every ``t_k``) unless the map is constant; F 0/0
+# (precision = recall = 0) counts as 0.
+
+PEER_BINS = 255
+BETA2 = 0.3
+
+
+def peer_thresholds() -> np.ndarray:
+    """``(255,)`` float64 thresholds ``k / 255``, ``k = 0 .. 254`` (TokenCut's)."""
+    return np.arange(PEER_BINS, dtype=np.float64) / PEER_BINS
+
+
+def f_beta(precision: np.ndarray, recall: np.ndarray, beta2: float = BETA2) -> np.ndarray:
+    """``(1 + b2) P R / (b2 P + R)`` elementwise, 0 where ``P = R = 0``.
+
+    Args:
+        precision: ``(...)`` precisions in ``[0, 1]``.
+        recall: ``(...)`` recalls, same shape.
+        beta2: ``beta^2`` (0.3: precision weighs more, the saliency convention).
+    """
+    p = np.asarray(precision, dtype=np.float64)
+    r = np.asarray(recall, dtype=np.float64)
+    den = beta2 * p + r
+    with np.errstate(invalid="ignore", divide="ignore"):
+        f = (1.0 + beta2) * p * r / np.where(den > 0, den, 1.0)
+    return np.where(den > 0, f, 0.0)
+
+
+@dataclass(frozen=True)
+class PeerCurves:
+    """Per-image peer quantities of a batch (see the section comment for the definitions).
+
+    Attributes:
+        iou: ``(B,)`` foreground IoU of the mask.
+        acc: ``(B,)`` pixel accuracy of the mask.
+        precision: ``(B, 255)`` precision of ``R > t_k``.
+        recall: ``(B, 255)`` recall of ``R > t_k``.
+        f: ``(B, 255)`` F_beta (beta^2 = 0.3) of each image at each threshold.
+    """
+
+    iou: np.ndarray
+    acc: np.ndarray
+    precision: np.ndarray
+    recall: np.ndarray
+    f: np.ndarray
+
+    @classmethod
+    def stack(cls, parts: Sequence[PeerCurves]) -> PeerCurves:
+        """The images of several :class:`PeerCurves` as one batch, in order (e.g. images of
+        different sizes scored one by one)."""
+        if not parts:
+            raise ValueError("no peer curves to stack")
+        return cls(**{k: np.concatenate([getattr(p, k) for p in parts])
+                      for k in ("iou", "acc", "precision", "recall", "f")})
+
+    def rows(self, index: Sequence[int]) -> PeerCurves:
+        """The images ``index`` (in that order) as a batch."""
+        idx = np.asarray(index, dtype=np.int64)
+        return PeerCurves(iou=self.iou[idx], acc=self.acc[idx], precision=self.precision[idx],
+                          recall=self.recall[idx], f=self.f[idx])
+
+
+def peer_curves(score: Tensor, pred: Tensor, gt: Tensor) -> PeerCurves:
+    """Per-image IoU, accuracy and precision / recall / F curves of a batch.
+
+    The curves come from one histogram per image: a pixel with score ``r`` is foreground at
+    the thresholds ``t_k < r``, i.e. at ``k < b(r)`` with ``b(r)`` the number of thresholds
+    below ``r`` (``searchsorted``), so the predicted and true positives at ``t_k`` are suffix
+    sums of the histograms of ``b`` over all pixels and over the ground truth's.
+
+    Args:
+        score: ``(B, H, W)`` heatmaps ``R`` (compared in float64; any range).
+        pred: ``(B, H, W)`` bool masks.
+        gt: ``(B, H, W)`` bool ground truth (at the resolution to score at).
+
+    Returns:
+        A :class:`PeerCurves` (float64 numpy).
+    """
+    if not (score.shape == pred.shape == gt.shape) or score.dim() != 3:
+        raise ValueError(
+            f"score, pred and gt must all be (B, H, W); got {tuple(score.shape)}, "
+            f"{tuple(pred.shape)}, {tuple(gt.shape)}"
+        )
+    b = score.shape[0]
+    r = _np(score).reshape(b, -1).astype(np.float64)
+    p = _np(pred).reshape(b, -1).astype(bool)
+    g = _np(gt).reshape(b, -1).astype(bool)
+    n = r.shape[1]
+    inter = np.count_nonzero(p & g, axis=1)
+    union = np.count_nonzero(p | g, axis=1)
+    iou = np.where(union > 0, inter / np.maximum(union, 1), 1.0)
+    acc = (n - np.count_nonzero(p ^ g, axis=1)) / n if n else np.ones(b)
+    bins = np.searchsorted(peer_thresholds(), r, side="left")  # thresholds t_k < r
+    width = PEER_BINS + 1
+    offs = (np.arange(b) * width)[:, None]
+    hist_all = np.bincount((bins + offs).ravel(), minlength=b * width).reshape(b, width)
+    hist_fg = np.bincount((bins + offs)[g], minlength=b * width).reshape(b, width)
+    # positives at t_k: pixels with b(r) > k = suffix sums from k + 1
+    pos = np.cumsum(hist_all[:, ::-1], axis=1)[:, ::-1][:, 1:].astype(np.float64)
+    tp = np.cumsum(hist_fg[:, ::-1], axis=1)[:, ::-1][:, 1:].astype(np.float64)
+    npos = g.sum(1).astype(np.float64)[:, None]
+    precision = np.where(pos > 0, tp / np.maximum(pos, 1.0), 1.0)
+    recall = np.where(npos > 0, tp / np.maximum(npos, 1.0), 1.0)
+    recall = np.broadcast_to(recall, precision.shape).copy()
+    return PeerCurves(iou=iou, acc=acc, precision=precision, recall=recall, f=f_beta(precision, recall))
+
+
+def max_f_of_means(precision_sum: np.ndarray, recall_sum: np.ndarray, images: float) -> float:
+    """``maxF``: ``max_k F(mean_i P_ik, mean_i R_ik)`` from the summed curves (0 without
+    images)."""
+    if not images:
+        return 0.0
+    return float(f_beta(np.asarray(precision_sum) / images, np.asarray(recall_sum) / images).max())
+
+
+def max_mean_f(f_sum: np.ndarray, images: float) -> float:
+    """``maxF_img``: ``max_k mean_i F_ik`` from the summed per-image F curves (TokenCut's
+    ``F_max``; 0 without images)."""
+    if not images:
+        return 0.0
+    return float((np.asarray(f_sum, dtype=np.float64) / images).max())
 
 
 # ---------------------------------------------------------------------------- multi-class
@@ -540,11 +753,12 @@ def _additive(states: Sequence[State]) -> tuple[str, np.ndarray]:
     """``(kind, V)``: the states' additive sums, one float64 row per state.
 
     Binary rows: ``[correct, labeled, inter_bg, inter_fg, union_bg, union_fg, ap_sum,
-    images]``; multi-class rows: ``[tp (K), fp (K), fn (K), labeled, images]``. Counts stay
+    images, iou_sum, acc_sum, prec_sum (255), rec_sum (255), f_sum (255)]``; multi-class rows: ``[tp (K), fp (K), fn (K), labeled, images]``. Counts stay
     exact in float64 (integers below 2^53).
     """
     if all(isinstance(s, BinaryState) for s in states):
-        return "binary", np.array([[s.correct, s.labeled, *s.inter, *s.union, s.ap_sum, s.images]
+        return "binary", np.array([[s.correct, s.labeled, *s.inter, *s.union, s.ap_sum, s.images,
+                                    s.iou_sum, s.acc_sum, *s.prec_sum, *s.rec_sum, *s.f_sum]
                                    for s in states], dtype=np.float64)
     if all(isinstance(s, MulticlassState) for s in states):
         k = {len(s.tp) for s in states}
@@ -559,9 +773,13 @@ def _headline(kind: str, sums: np.ndarray) -> dict[str, float]:
     """The headline scores (fractions) of one summed row of :func:`_additive`, computed by
     the states' own :meth:`scores` (one definition of every metric)."""
     if kind == "binary":
-        c, lab, i0, i1, u0, u1, ap, n = sums.tolist()
-        sc = BinaryState(correct=c, labeled=lab, inter=[i0, i1], union=[u0, u1], ap_sum=ap, images=n).scores()
-        return {"pixAcc": sc.pixAcc, "mIoU": sc.mIoU, "mAP": sc.mAP}
+        c, lab, i0, i1, u0, u1, ap, n, iou, acc = sums[:10].tolist()
+        k = PEER_BINS
+        sc = BinaryState(correct=c, labeled=lab, inter=[i0, i1], union=[u0, u1], ap_sum=ap, images=n,
+                         iou_sum=iou, acc_sum=acc, prec_sum=sums[10: 10 + k], rec_sum=sums[10 + k: 10 + 2 * k],
+                         f_sum=sums[10 + 2 * k: 10 + 3 * k]).scores()
+        return {"pixAcc": sc.pixAcc, "mIoU": sc.mIoU, "mAP": sc.mAP, "fgIoU": sc.fgIoU,
+                "acc": sc.acc, "maxF": sc.maxF, "maxF_img": sc.maxF_img}
     k = (sums.shape[-1] - 2) // 3
     row = sums.tolist()
     sc = MulticlassState(tp=row[:k], fp=row[k: 2 * k], fn=row[2 * k: 3 * k], labeled=row[3 * k],

@@ -10,6 +10,11 @@ Flow (:func:`run_eval`)::
       -> gather the per-image states on rank 0, sum them in data set order
       -> Markdown table on stdout, results.json / results.csv / results.md in `output`
 
+Binary sets report the protocol's scores (at the evaluation size, ``mask_at``) and the peer
+metrics of the saliency literature (fgIoU, acc, maxF, maxF_img: per-image means, scored at
+the ground truth's original resolution with the maps ``segment`` writes there,
+:func:`peer_maps`; definitions in :mod:`segment.eval.metrics`).
+
 Methods (``cfg.methods``), each scored from the same attention record:
 
 - ``null``: only ``cfg.method`` (the default method);
@@ -59,18 +64,28 @@ from segment.eval.metrics import (
     BinaryState,
     Bootstrap,
     MulticlassState,
+    PeerCurves,
     State,
     binary_states,
     bootstrap,
     hungarian_state,
     matched_classes,
+    peer_curves,
     state_from_dict,
     total,
 )
 from torch import Tensor
 
 import segment
-from segment.core.masks import MethodOutput, labels_at, minmax, threshold_mean, to_masks
+from segment.core.masks import (
+    MethodOutput,
+    label_upsampling_setting,
+    labels_at,
+    minmax,
+    threshold_mean,
+    to_masks,
+    to_masks_and_labels,
+)
 from segment.core.record import AttentionRecord, Capture
 from segment.utils import (  # noqa: F401  (exit codes re-exported for callers)
     EXIT_BAD_INPUT,
@@ -85,13 +100,15 @@ from segment.utils import (  # noqa: F401  (exit codes re-exported for callers)
 
 log = logging.getLogger(__name__)
 
-BINARY_COLUMNS = ("pixAcc", "mIoU", "mIoU_CA", "mAP")
+# protocol columns, then the peer metrics (per-image means at the original resolution)
+BINARY_COLUMNS = ("pixAcc", "mIoU", "mIoU_CA", "mAP", "fgIoU", "acc", "maxF", "maxF_img")
 MULTICLASS_COLUMNS = ("pixAcc", "mIoU", "regions")  # + per-class IoU; regions: mean per image
 # the scores that get bootstrap intervals (results.json: all; CSV: INTERVAL_CSV; Markdown: mIoU)
-INTERVAL_SCORES = {"binary": ("pixAcc", "mIoU", "mAP"), "multiclass": ("pixAcc", "mIoU")}
-INTERVAL_CSV = {"binary": ("mIoU", "mAP"), "multiclass": ("mIoU",)}
+INTERVAL_SCORES = {"binary": ("pixAcc", "mIoU", "mAP", "fgIoU", "acc", "maxF", "maxF_img"),
+                   "multiclass": ("pixAcc", "mIoU")}
+INTERVAL_CSV = {"binary": ("mIoU", "mAP", "fgIoU", "maxF"), "multiclass": ("mIoU",)}
 # bump when a change outside the hashed modules (see fingerprint, method_key) changes scores
-CACHE_VERSION = 4
+CACHE_VERSION = 5
 
 
 class ConfigError(ValueError):
@@ -392,6 +409,40 @@ def _targets(batch: Sequence[Any]) -> list[Tensor]:
     return [torch.from_numpy(np.ascontiguousarray(s.target)) for s in batch]
 
 
+def _originals(batch: Sequence[Any]) -> list[Tensor]:
+    """The binary ground truths at their original resolution (``Sample.original``; the
+    target itself where the set gives none)."""
+    return [torch.from_numpy(np.ascontiguousarray(s.target if s.original is None else s.original))
+            for s in batch]
+
+
+def peer_maps(out: MethodOutput, sizes: list[tuple[int, int]]) -> list[tuple[Tensor, Tensor]]:
+    """Per image ``(R, mask)`` at ``sizes`` exactly as ``segment`` writes them there (the maps
+    the peer metrics score, whatever ``mask_at``).
+
+    ``R``: the method's heatmap upsampled bilinearly to the size and min-max normalised per
+    image (:func:`segment.core.masks.heatmap_at`; the map ``maxF`` thresholds). The mask:
+    ``R > mean(R)`` for heatmap methods; for region methods the union of the foreground
+    regions with the labels upsampled by ``segment``'s default ``label_upsampling``
+    (``smooth``), not a resized 224 px mask (:func:`segment.run.outputs.postprocess`).
+    """
+    mode = label_upsampling_setting(None)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, s in enumerate(sizes):
+        groups.setdefault(s, []).append(i)
+    res: list[tuple[Tensor, Tensor] | None] = [None] * out.heatmap.shape[0]
+    for size, idx in groups.items():
+        sub = MethodOutput(
+            heatmap=out.heatmap[idx],
+            labels=None if out.labels is None else out.labels[idx],
+            foreground=None if out.foreground is None else out.foreground[idx],
+        )
+        r, mask, _ = to_masks_and_labels(sub, size, mode)
+        for j, i in enumerate(idx):
+            res[i] = (r[j], mask[j])
+    return res  # type: ignore[return-value]
+
+
 def _method_maps(out: MethodOutput, sizes: list[tuple[int, int]], mask_at: str) -> list[tuple[Tensor, Tensor]]:
     """Per image ``(R, mask)`` at its target size (protocol §3 post-processing).
 
@@ -421,28 +472,50 @@ def _method_maps(out: MethodOutput, sizes: list[tuple[int, int]], mask_at: str) 
     return res  # type: ignore[return-value]
 
 
-def score_binary(out: MethodOutput, targets: list[Tensor], mask_at: str) -> list[BinaryState]:
-    return score_binary_many([out], targets, mask_at)[0]
+def score_binary(out: MethodOutput, targets: list[Tensor], mask_at: str,
+                 originals: list[Tensor] | None = None) -> list[BinaryState]:
+    return score_binary_many([out], targets, mask_at, originals)[0]
 
 
-def score_binary_many(outs: Sequence[MethodOutput], targets: list[Tensor], mask_at: str) -> list[list[BinaryState]]:
+def _size_groups(sizes: Sequence[tuple[int, ...]], methods: int) -> list[list[tuple[int, int]]]:
+    groups: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for m in range(methods):
+        for i, size in enumerate(sizes):
+            groups.setdefault(size, []).append((m, i))
+    return list(groups.values())
+
+
+def score_binary_many(outs: Sequence[MethodOutput], targets: list[Tensor], mask_at: str,
+                      originals: list[Tensor] | None = None) -> list[list[BinaryState]]:
     """Per method, per image states of several methods' outputs on one batch.
 
     The maps stay on the methods' device; every (method, image) pair of one target size is
-    scored in one batched call (AP by one sort per row, :func:`binary_states`).
+    scored in one batched call (AP by one sort per row, :func:`binary_states`). The peer
+    metrics are scored against ``originals`` (the ground truths at their original
+    resolution; ``None``: the targets) with :func:`peer_maps` at their sizes.
     """
+    originals = targets if originals is None else originals
+    if len(originals) != len(targets):
+        raise ValueError(f"{len(originals)} original ground truths for {len(targets)} targets")
     sizes = [tuple(t.shape) for t in targets]
     maps = [_method_maps(out, sizes, mask_at) for out in outs]
+    osizes = [tuple(t.shape) for t in originals]
+    omaps = [peer_maps(out, osizes) for out in outs]
+    peer: dict[tuple[int, int], PeerCurves] = {}
+    for pairs in _size_groups(osizes, len(outs)):
+        r = torch.stack([omaps[m][i][0] for m, i in pairs])
+        pred = torch.stack([omaps[m][i][1] for m, i in pairs])
+        gt = torch.stack([originals[i] for _, i in pairs]).to(r.device).bool()
+        curves = peer_curves(r, pred, gt)
+        for k, pair in enumerate(pairs):
+            peer[pair] = curves.rows([k])
     res: list[list[BinaryState | None]] = [[None] * len(targets) for _ in outs]
-    groups: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-    for m in range(len(outs)):
-        for i, size in enumerate(sizes):
-            groups.setdefault(size, []).append((m, i))
-    for pairs in groups.values():
+    for pairs in _size_groups(sizes, len(outs)):
         r = torch.stack([maps[m][i][0] for m, i in pairs])
         pred = torch.stack([maps[m][i][1] for m, i in pairs])
         gt = torch.stack([targets[i] for _, i in pairs]).to(r.device).bool()
-        for (m, i), st in zip(pairs, binary_states(r, pred, gt)):
+        curves = PeerCurves.stack([peer[p] for p in pairs])
+        for (m, i), st in zip(pairs, binary_states(r, pred, gt, curves)):
             res[m][i] = st
     return res  # type: ignore[return-value]
 
@@ -995,7 +1068,7 @@ def _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at, fall
                 outs.append(s.method(record))
                 timing.method_s[s.key] = timing.method_s.get(s.key, 0.0) + time.perf_counter() - t_s
             if dataset.task == "binary":  # all methods' maps of the batch scored together
-                new_all = score_binary_many(outs, targets, mask_at)
+                new_all = score_binary_many(outs, targets, mask_at, _originals(batch))
             else:
                 new_all = [score_multiclass(o, targets, dataset.num_classes, s.label) for s, o in zip(need, outs)]
             for s, out, new in zip(need, outs, new_all):

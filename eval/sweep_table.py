@@ -12,7 +12,8 @@ the set's ``REFERENCE.md``; the best row of the first table there that has a ``m
 ``regions``) by ``--scene-margin`` (3). The last columns give every set's margin and the
 worst set, the one a recipe is chosen by. A run with bootstrap intervals (``segment-eval``'s
 ``bootstrap``, on by default) adds a column per set: each recipe's mIoU difference to that
-run's first row (the default) with its paired 95% interval. Writes ``OUT.md`` and ``OUT.csv``.
+run's first row (the default) with its paired 95% interval. Binary runs that report the
+peer metrics add their fgIoU and maxF. Writes ``OUT.md`` and ``OUT.csv``.
 """
 
 from __future__ import annotations
@@ -74,10 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     # runs with bootstrap intervals: each recipe's paired mIoU difference to the run's first row
     paired = {name: next(iter(rows)) for name, rows in runs.items()
               if any("delta" in r for r in rows.values())}
+    # binary runs with the peer metrics (per-image fgIoU, maxF at the original resolution)
+    peer = {name for name, rows in runs.items() if all("maxF" in r for r in rows.values())}
     header = ["recipe"]
     for name, rows in runs.items():
         scene = any("regions" in r and "mAP" not in r for r in rows.values())
         header += [f"{name} pixAcc", f"{name} mIoU"] + ([f"{name} regions/img"] if scene else [f"{name} mAP"])
+        if name in peer:
+            header += [f"{name} fgIoU", f"{name} maxF"]
         if name in paired:
             header.append(f"{name} ΔmIoU vs {paired[name]} (95% CI)")
     header += [f"mIoU over best REFERENCE ({' / '.join(runs)})", "worst set (margin over its target)"]
@@ -88,10 +93,12 @@ def main(argv: list[str] | None = None) -> int:
             r = rows.get(m)
             scene = "regions" in (r or {}) and "mAP" not in (r or {})
             if r is None:
-                row += ["", "", ""] + ([""] if name in paired else [])
+                row += ["", "", ""] + (["", ""] if name in peer else []) + ([""] if name in paired else [])
                 continue
             row += [f"{r['pixAcc']:.2f}", f"{r['mIoU']:.2f}",
                     f"{r['regions']:.1f}" if scene else f"{r['mAP']:.2f}"]
+            if name in peer:
+                row += [f"{r['fgIoU']:.2f}", f"{r['maxF']:.2f}"]
             if name in paired:
                 d = (r.get("delta") or {}).get("mIoU")
                 row.append("-" if d is None else f"{d[0]:+.2f} ({d[1]:+.2f}, {d[2]:+.2f})")

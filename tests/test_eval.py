@@ -214,7 +214,7 @@ def test_end_to_end_one_pass_per_batch(folder, tmp_path, counting, capsys):
     assert [r["method"] for r in rows] == ["cls_attention", "rollout", "bounce", "tr_l2"]
     ref = _reference_rows(folder, cfg, [r["method"] for r in rows], bb.inner)
     for i, r in enumerate(rows):
-        base = {"method", "pixAcc", "mIoU", "mIoU_CA", "mAP", "images", "ci95"}
+        base = {"method", "pixAcc", "mIoU", "mIoU_CA", "mAP", "fgIoU", "acc", "maxF", "maxF_img", "images", "ci95"}
         assert set(r) == (base if i == 0 else base | {"delta"})  # bootstrap intervals (default)
         assert r["images"] == 5
         for k in ("pixAcc", "mIoU", "mAP"):
@@ -233,7 +233,7 @@ def test_end_to_end_one_pass_per_batch(folder, tmp_path, counting, capsys):
     assert [g["method"] for g in got] == [r["method"] for r in rows]
     assert float(got[1]["mIoU"]) == pytest.approx(rows[1]["mIoU"])
     printed = capsys.readouterr().out
-    assert "| method | pixAcc | mIoU | mIoU_CA | mAP | images |" in printed
+    assert "| method | pixAcc | mIoU | mIoU_CA | mAP | fgIoU | acc | maxF | maxF_img | images |" in printed
     assert "| tr_l2 |" in printed
     panels = sorted((out / "panels").glob("*.png"))
     assert [p.stem for p in panels] == ["im00", "im01", "im02", "im03"]
@@ -374,14 +374,14 @@ def test_bootstrap_knob(folder, tmp_path, capsys):
     out = tmp_path / "on"
     assert run_eval(cfg_for(*TINY, f"dataset.root={folder}", f"output={out}", twins, "bootstrap=200")) == EXIT_OK
     first, twin = read_rows(out)
-    assert twin["delta"] == {"vs": "cls_attention", "pixAcc": [0.0, 0.0, 0.0], "mIoU": [0.0, 0.0, 0.0],
-                             "mAP": [0.0, 0.0, 0.0]}
+    assert twin["delta"] == {"vs": "cls_attention", **{k: [0.0, 0.0, 0.0] for k in (
+        "pixAcc", "mIoU", "mAP", "fgIoU", "acc", "maxF", "maxF_img")}}
     assert twin["ci95"] == first["ci95"]
     lines = list(csv.reader((out / "results.csv").read_text().splitlines()))
-    assert lines[0][6:] == ["mIoU_ci95_low", "mIoU_ci95_high", "mAP_ci95_low", "mAP_ci95_high", "delta_mIoU",
-                            "delta_mIoU_ci95_low", "delta_mIoU_ci95_high", "delta_mAP", "delta_mAP_ci95_low",
-                            "delta_mAP_ci95_high"]
-    assert lines[1][10:] == [""] * 6 and [float(x) for x in lines[2][10:]] == [0.0] * 6
+    scored = ("mIoU", "mAP", "fgIoU", "maxF")  # after method, 8 scores, images
+    assert lines[0][10:] == [f"{s}_ci95_{e}" for s in scored for e in ("low", "high")] + [
+        f"delta_{s}{e}" for s in scored for e in ("", "_ci95_low", "_ci95_high")]
+    assert lines[1][18:] == [""] * 12 and [float(x) for x in lines[2][18:]] == [0.0] * 12
     md = (out / "results.md").read_text().splitlines()
     assert md[0].endswith("| images | mIoU 95% CI | ΔmIoU vs cls_attention (95% CI) |")
     assert md[3].endswith("| +0.00 (+0.00, +0.00) |") and md[2].endswith(" | - |")
