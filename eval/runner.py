@@ -50,7 +50,7 @@ import math
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -427,20 +427,7 @@ def peer_maps(out: MethodOutput, sizes: list[tuple[int, int]]) -> list[tuple[Ten
     (``smooth``), not a resized 224 px mask (:func:`segment.run.outputs.postprocess`).
     """
     mode = label_upsampling_setting(None)
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, s in enumerate(sizes):
-        groups.setdefault(s, []).append(i)
-    res: list[tuple[Tensor, Tensor] | None] = [None] * out.heatmap.shape[0]
-    for size, idx in groups.items():
-        sub = MethodOutput(
-            heatmap=out.heatmap[idx],
-            labels=None if out.labels is None else out.labels[idx],
-            foreground=None if out.foreground is None else out.foreground[idx],
-        )
-        r, mask, _ = to_masks_and_labels(sub, size, mode)
-        for j, i in enumerate(idx):
-            res[i] = (r[j], mask[j])
-    return res  # type: ignore[return-value]
+    return _maps_by_size(out, sizes, lambda sub, size: to_masks_and_labels(sub, size, mode)[:2])
 
 
 def _method_maps(out: MethodOutput, sizes: list[tuple[int, int]], mask_at: str) -> list[tuple[Tensor, Tensor]]:
@@ -450,6 +437,20 @@ def _method_maps(out: MethodOutput, sizes: list[tuple[int, int]], mask_at: str) 
     ``"grid"``: threshold at the mean on the method's own grid, then nearest to the target
     size (ConceptAttention's FLUX protocol); ``R`` for AP is the bilinear one in both.
     """
+    def maps(sub: MethodOutput, size: tuple[int, int]) -> tuple[Tensor, Tensor]:
+        r, mask = to_masks(sub, size)
+        if mask_at == "grid" and sub.labels is None:
+            grid_mask = threshold_mean(minmax(sub.heatmap.float()))
+            mask = labels_at(grid_mask.long(), size).bool()
+        return r, mask
+
+    return _maps_by_size(out, sizes, maps)
+
+
+def _maps_by_size(out: MethodOutput, sizes: list[tuple[int, int]],
+                  maps: Callable[[MethodOutput, tuple[int, int]], tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+    """Per image ``maps(sub, size)[j]``: the images of one size go through ``maps`` together
+    as the sub-output ``sub`` (their heatmaps, labels and foreground)."""
     b = out.heatmap.shape[0]
     if len(sizes) != b:
         raise ValueError(f"method returned {b} heatmaps for a batch of {len(sizes)}")
@@ -463,10 +464,7 @@ def _method_maps(out: MethodOutput, sizes: list[tuple[int, int]], mask_at: str) 
             labels=None if out.labels is None else out.labels[idx],
             foreground=None if out.foreground is None else out.foreground[idx],
         )
-        r, mask = to_masks(sub, size)
-        if mask_at == "grid" and sub.labels is None:
-            grid_mask = threshold_mean(minmax(sub.heatmap.float()))
-            mask = labels_at(grid_mask.long(), size).bool()
+        r, mask = maps(sub, size)
         for j, i in enumerate(idx):
             res[i] = (r[j], mask[j])
     return res  # type: ignore[return-value]
