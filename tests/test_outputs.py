@@ -345,6 +345,37 @@ def test_crash_mid_write_leaves_no_truncated_files(tmp_path, monkeypatch, fail_a
     assert load_record(tmp_path, "x") == rec and rec.num_regions == 4
 
 
+@pytest.mark.parametrize("fail_at", [1, 4, 9])
+def test_a_full_disk_mid_image_leaves_none_of_its_files(tmp_path, monkeypatch, fail_at):
+    """ENOSPC at the n-th file of an image: OutputWriteError (an OSError naming the file), and
+    none of the image's files is left, neither new ones nor the ones an earlier record
+    vouched for; another image's files are untouched; with room again the image is written."""
+    other = write_image(tmp_path, "other", _image(12, 14, 3), _binary_seg(12, 14), FAST, **_fields("other"))
+    write_image(tmp_path, "x", _image(20, 30, 1), _binary_seg(20, 30), FAST, **_fields("x"))
+    before = {p: p.read_bytes() for p in _all_files(tmp_path)}
+    calls = {"n": 0}
+    real = outputs.atomic_write_bytes
+
+    def filling(path, data, fsync=True):
+        calls["n"] += 1
+        if calls["n"] >= fail_at:
+            raise OSError(28, "No space left on device", str(path))
+        return real(path, data, fsync)
+
+    monkeypatch.setattr(outputs, "atomic_write_bytes", filling)
+    with pytest.raises(outputs.OutputWriteError) as got:
+        write_image(tmp_path, "x", _image(20, 30, 2), _region_seg(20, 30), FAST, **_fields("x"))
+    assert got.value.errno == 28 and isinstance(got.value, OSError)
+    assert "No space left on device" in str(got.value) and str(got.value.path).startswith(str(tmp_path))
+    monkeypatch.setattr(outputs, "atomic_write_bytes", real)
+    left = _all_files(tmp_path)
+    assert [p for p in left if "x" in p.stem] == [], left
+    assert {p: p.read_bytes() for p in left} == {p: b for p, b in before.items() if "x" not in p.stem}
+    assert load_record(tmp_path, "other") == other
+    rec = write_image(tmp_path, "x", _image(20, 30, 2), _region_seg(20, 30), FAST, **_fields("x"))
+    assert load_record(tmp_path, "x") == rec and all((tmp_path / r).is_file() for r in rec.outputs.values())
+
+
 @pytest.mark.parametrize("fsync", [True, False])
 def test_atomic_write_bytes_short_writes_full_disk_and_missing_folder(tmp_path, monkeypatch, fsync):
     """Short ``os.write``s are continued; a write that fails (disk full) leaves the old

@@ -510,7 +510,9 @@ def write_image(
     """Write every file of one image, then its record (last, so it marks completion).
 
     An existing record of ``name`` is deleted first: if the process dies half-way, the image
-    has no record and a rerun does it again.
+    has no record and a rerun does it again. Everything is encoded before the first file is
+    written; a write that fails (or Ctrl-C) removes every file of this image, new or old, so
+    its files appear all together or not at all.
 
     Args:
         root: the output folder.
@@ -524,13 +526,14 @@ def write_image(
 
     Returns:
         The record that was written.
+
+    Raises:
+        OutputWriteError: the file system refused a write (full disk, quota, read-only).
     """
     t0 = time.perf_counter()
     root = Path(root)
     if image.shape[:2] != seg.size:
         raise ValueError(f"image {image.shape[:2]} and segmentation {seg.size} sizes differ for {name!r}")
-    # an old record must not vouch for files that are about to be replaced
-    (root / rel_output("record", name)).unlink(missing_ok=True)
     jpg = [cv2.IMWRITE_JPEG_QUALITY, opts.jpeg_quality]
     thumb_jpg = [cv2.IMWRITE_JPEG_QUALITY, 85]
     lut = colormap_lut(opts.colormap)
@@ -557,18 +560,9 @@ def write_image(
         small = cv2.resize(seg.labels.astype(np.uint8 if k <= 256 else np.float32),
                            thumbs["mask"].shape[::-1], interpolation=cv2.INTER_NEAREST)
         thumbs["labels"] = region_colors(small.astype(np.int32, copy=False), k)
+    for col, small in thumbs.items():  # encoded before anything is written (see below)
+        files[f"thumb/{col}"] = _encode(".jpg", small, thumb_jpg)
     outputs = {kind: rel_output(kind, name) for kind in files}
-    for kind, data in files.items():
-        write_file(root / outputs[kind], data, opts.fsync)
-    for col, small in thumbs.items():
-        rel = rel_output(f"thumb/{col}", name)
-        write_file(root / rel, _encode(".jpg", small, thumb_jpg), opts.fsync)
-        outputs[f"thumb/{col}"] = rel
-    # files of a kind this method does not make (labels/ of a region method, when a heatmap
-    # method redoes the image into the same folder) would be taken for this run's
-    for kind in ("labels", "thumb/labels"):
-        if kind not in outputs:
-            (root / rel_output(kind, name)).unlink(missing_ok=True)
     annotations = coco_annotations(seg)
     rec = ImageRecord(
         name=name,
@@ -582,9 +576,52 @@ def write_image(
         num_regions=None if seg.labels is None else len(annotations),
         **record_fields,
     )
-    rec.seconds = round(time.perf_counter() - t0, 4)
-    write_record(root, rec, opts.fsync)
+    # only file-system calls from here on: all of the image's files, or none of them
+    try:
+        # an old record must not vouch for files that are about to be replaced
+        _unlink(root / rel_output("record", name))
+        for kind, data in files.items():
+            write_file(root / outputs[kind], data, opts.fsync)
+        # files of a kind this method does not make (labels/ of a region method, when a heatmap
+        # method redoes the image into the same folder) would be taken for this run's
+        for kind in ("labels", "thumb/labels"):
+            if kind not in outputs:
+                _unlink(root / rel_output(kind, name))
+        rec.seconds = round(time.perf_counter() - t0, 4)
+        write_record(root, rec, opts.fsync)
+    except BaseException as e:
+        # no partial set (new files, or old ones no record vouches for): a resume redoes it
+        for kind in {*outputs, "labels", "thumb/labels"}:
+            with contextlib.suppress(OSError):
+                _unlink(root / rel_output(kind, name))
+        if isinstance(e, OSError) and not isinstance(e, OutputWriteError):
+            raise OutputWriteError(root, e) from e
+        raise
     return rec
+
+
+def _unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
+class OutputWriteError(OSError):
+    """The output folder's file system refused a write (a full disk, a quota, a read-only
+    remount): a fault of the run, not of the image being written.
+
+    Attributes:
+        root: the output folder.
+        path: the file that could not be written (``None`` if unknown).
+        strerror, errno: the system's error.
+    """
+
+    def __init__(self, root: str | os.PathLike, error: OSError) -> None:
+        super().__init__(error.errno, error.strerror or str(error), error.filename)
+        self.root = Path(root)
+        self.path = None if error.filename is None else Path(os.fsdecode(error.filename))
+
+    def __str__(self) -> str:
+        where = f" ({self.path})" if self.path is not None else ""
+        return f"{self.strerror}{where}"
 
 
 def write_record(root: str | os.PathLike, rec: ImageRecord, fsync: bool = True) -> None:
