@@ -555,3 +555,105 @@ def test_run_readers_use_one_torch_thread_and_the_method_the_runs(tmp_path, monk
         torch.set_num_threads(before)
     assert seen["preprocess"] == [1] * 5
     assert seen["apply"] and all(s == 2 for s in seen["apply"])
+
+
+# ----------------------------------------------------------------------------- run-level faults
+
+
+def _files(out: Path, folder: str) -> dict[str, bytes]:
+    return {str(p.relative_to(out / folder)): p.read_bytes() for p in sorted((out / folder).rglob("*")) if p.is_file()}
+
+
+def _same_outputs(ref: Path, out: Path) -> None:
+    """The files of two runs over the same images: masks, labels and the set of files equal;
+    heatmaps within one level of 255 (a batch of another composition may round the forward
+    in the last bit); COCO equal but for its date and the scores (to 1e-3)."""
+    for folder in ("masks", "heatmaps", "overlays", "labels", "records"):
+        a, b = _files(ref, folder), _files(out, folder)
+        assert a.keys() == b.keys(), folder
+        for k in a:
+            if folder in ("masks", "labels"):
+                assert a[k] == b[k], f"{folder}/{k}"
+            elif folder == "heatmaps":
+                x, y = (np.asarray(Image.open(p)).astype(int) for p in (ref / folder / k, out / folder / k))
+                assert np.abs(x - y).max() <= 1, f"{folder}/{k}"
+    x, y = (json.loads((o / "annotations.json").read_text()) for o in (ref, out))
+    for d in (x, y):
+        d.pop("info")
+    sx = [a.pop("score") for a in x["annotations"]]
+    sy = [a.pop("score") for a in y["annotations"]]
+    assert x == y and sx == pytest.approx(sy, rel=1e-3, abs=1e-5)
+
+
+def _filling_disk(monkeypatch, room: int, forever: bool = True) -> dict[str, int]:
+    """Every file write (per-image files and run files) fails with ENOSPC after ``room``
+    files, as on a full disk: all later writes (``forever``) or only that one."""
+    import segment.run.outputs as outputs_mod
+    import segment.utils as utils_mod
+
+    real = utils_mod.atomic_write_bytes
+    state = {"n": 0, "refused": 0}
+    lock = threading.Lock()
+
+    def write(path, data, fsync=True):
+        with lock:
+            state["n"] += 1
+            full = state["n"] > room and (forever or state["n"] == room + 1)
+            state["refused"] += full
+        if full:
+            raise OSError(28, "No space left on device")  # os.write's error names no file
+        return real(path, data, fsync)
+
+    monkeypatch.setattr(outputs_mod, "atomic_write_bytes", write)
+    monkeypatch.setattr(utils_mod, "atomic_write_bytes", write)
+    return state
+
+
+@pytest.mark.parametrize("forever", [True, False], ids=["disk-stays-full", "one-write-refused"])
+def test_a_full_disk_stops_the_run_in_one_line_and_a_resume_completes_it(tmp_path, monkeypatch, caplog, forever):
+    src, ref, out = tmp_path / "in", tmp_path / "ref", tmp_path / "out"
+    src.mkdir()
+    for i in range(8):
+        _img(40, 60, i).save(src / f"{i}.png")
+    torch.manual_seed(0)  # the same random weights in every run (the fingerprint cannot tell)
+    assert run_segment(compose_cfg(src, ref, "batch_size=2")) == 0
+    caplog.clear()
+    caplog.set_level("INFO")
+    state = _filling_disk(monkeypatch, room=25, forever=forever)  # 10 files an image: 2.5 images
+    torch.manual_seed(0)
+    assert run_segment(compose_cfg(src, out, "batch_size=2")) == 1
+    monkeypatch.undo()
+    # the run stopped at the first refused write: a few more images may have been in flight
+    assert state["n"] <= 25 + 10 * 4 + 3, state
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    line = errors[0].getMessage()
+    assert "skipped" not in caplog.text  # a full disk is not a bad image
+    records = sorted(p.stem for p in (out / "records").glob("*.json"))
+    assert str(out) in line and "No space left on device" in line and "rerun the same command" in line
+    assert f"{len(records)} of 8 images are finished" in line
+    # finished images complete; the others have no file at all (no partial set); no temp files
+    assert 2 <= len(records) <= 3
+    for p in out.rglob("*"):
+        assert not p.name.endswith(".tmp"), p
+        if p.is_file() and p.suffix in (".png", ".jpg") and p.parent != out:
+            assert p.stem in records, p
+    for name in records:
+        rec = json.loads((out / "records" / f"{name}.json").read_text())
+        assert all((out / rel).is_file() for rel in rec["outputs"].values())
+    if forever:  # the disk stays full: no run files, and the line says so
+        assert "annotations.json, index.html, run.json could not be written either" in line
+        assert not (out / "run.json").exists()
+    else:  # room again for the run files: run.json says what happened
+        assert "could not be written" not in line
+        man = _manifest(out)
+        assert man["exit_code"] == 1 and "No space left on device" in man["error"]
+        assert man["counts"]["segmented"] == len(records) and man["counts"]["failed"] == 0
+    # a resume on a disk with room: outputs equal an uninterrupted run's
+    caplog.clear()
+    torch.manual_seed(0)
+    assert run_segment(compose_cfg(src, out, "batch_size=2")) == 0
+    man = _manifest(out)
+    assert man["counts"] == {"found": 8, "segmented": 8 - len(records), "resumed": len(records),
+                             "failed": 0, "ignored": 0}
+    _same_outputs(ref, out)

@@ -342,8 +342,17 @@ def _png(im: Image.Image, opts: RenderOptions) -> bytes:
 
 
 def write_file(path: Path, data: bytes, fsync: bool = True) -> None:
-    """Atomically write ``data`` (temp file + rename; ``fsync`` first when asked)."""
-    atomic_write_bytes(path, data, fsync)
+    """Atomically write ``data`` (temp file + rename; ``fsync`` first when asked).
+
+    Raises:
+        OSError: naming ``path`` (a failed ``write`` or ``fsync`` names no file of its own).
+    """
+    try:
+        atomic_write_bytes(path, data, fsync)
+    except OSError as e:
+        if e.filename is not None and not os.fsdecode(e.filename).endswith(".tmp"):
+            raise
+        raise OSError(e.errno, e.strerror or str(e), os.fspath(path)) from e
 
 
 def _annotation(rle: dict, category: int, score: float, region: int | None,
@@ -614,10 +623,12 @@ class OutputWriteError(OSError):
         strerror, errno: the system's error.
     """
 
-    def __init__(self, root: str | os.PathLike, error: OSError) -> None:
-        super().__init__(error.errno, error.strerror or str(error), error.filename)
+    def __init__(self, root: str | os.PathLike, error: OSError, path: str | os.PathLike | None = None) -> None:
+        if path is None and error.filename is not None:
+            path = os.fsdecode(error.filename)
+        super().__init__(error.errno, error.strerror or str(error), None if path is None else os.fspath(path))
         self.root = Path(root)
-        self.path = None if error.filename is None else Path(os.fsdecode(error.filename))
+        self.path = None if path is None else Path(path)
 
     def __str__(self) -> str:
         where = f" ({self.path})" if self.path is not None else ""

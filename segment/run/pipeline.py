@@ -76,6 +76,7 @@ from segment.run.io import (
 from segment.run.outputs import (
     ImageRecord,
     ImageStatus,
+    OutputWriteError,
     RenderOptions,
     device_info,
     load_record,
@@ -103,6 +104,10 @@ EXIT_NOTHING_DONE = EXIT_FAILED
 
 class _ModelFailed(Exception):
     """The model or method could not run on an image (the message says why)."""
+
+
+class _OutputFault(Exception):
+    """The output folder's file system refused a write: the run stops (see ``SegmentRun.fault``)."""
 
 
 @dataclass
@@ -220,12 +225,15 @@ class SegmentRun:
         self.pin_memory = False  # set in _build: True when the backbone is on CUDA
         self.input_device = torch.device("cpu")  # where the backbone wants its pixels
         self._extracting = threading.Lock()  # one capture at a time (the hooks are per model)
+        self._refused = threading.Event()  # a writer met a refused write: start nothing new
         self.t = _Timings()
         self.statuses: dict[str, ImageStatus] = {}
         self.records: dict[str, ImageRecord] = {}
         self.ignored: list[tuple[str, str]] = []
         self.interrupted = False
         self.error: str | None = None
+        self.fault: str | None = None  # the first write the output file system refused (why, which file)
+        self.unwritten: list[str] = []  # run-level files that could not be written
         self.started = datetime.now(timezone.utc)
         self.input_desc = "bundled examples" if cfg.get("input") is None else str(cfg.input)
         self.files: list[ImageFile] = []
@@ -258,17 +266,35 @@ class SegmentRun:
             self.interrupted = True
             code = EXIT_INTERRUPTED
             log.warning("interrupted: finished images are kept; rerun the same command to resume")
+        except _OutputFault:
+            code = EXIT_FAILED
+            self.error = f"cannot write to the output folder: {self.fault}"
         finally:
             self.t.extra["total_s"] = time.perf_counter() - t0
             if self.ctx.distributed:  # torchrun: rank 0 gathers the statuses and records
                 code = shard.finish(self, code)
             if self.ctx.is_main and self.writing:
                 self._write_summary(code)
+                if self.fault is not None and code != EXIT_INTERRUPTED:
+                    code = EXIT_FAILED
             if self.ctx.distributed:
                 code = shard.agree(code, self.ctx)
-        if self.gallery is not None:
+        if self.ctx.is_main and self.fault is not None:
+            log.error(self._fault_line())
+        elif self.gallery is not None:
             print(f"gallery: {self.gallery}", flush=True)  # the last line of a run: open it
         return code
+
+    def _fault_line(self) -> str:
+        """The one line of a run the output file system stopped: where, how far it got, how
+        to go on, and which run-level files are missing."""
+        n_ok = sum(s.status in ("done", "resumed") for s in self.statuses.values())
+        line = (f"cannot write to the output folder {str(self.out)!r} ({self.fault}); "
+                f"{n_ok} of {len(self.files)} images are finished and complete; "
+                "rerun the same command to resume once it can be written")
+        if self.unwritten:
+            line += f"; {', '.join(self.unwritten)} could not be written either"
+        return line
 
     def _fail(self, msg: str) -> int:
         self.error = msg
@@ -465,15 +491,23 @@ class SegmentRun:
         return None
 
     def _write(self, item: _Item, out: MethodOutput, index: int) -> ImageRecord:
-        """Writer thread: post-process at the original size, write files and record."""
+        """Writer thread: post-process at the original size, write files and record. Once
+        the output file system has refused a write, the images still queued are not
+        started (they raise :class:`_OutputFault`: neither done nor failed, a rerun does them)."""
+        if self._refused.is_set():
+            raise _OutputFault
         loaded = item.loaded
         seg = self.segmenter.postprocess(out, index, loaded.size)
-        return write_image(
-            self.out, item.file.name, np.asarray(loaded.image), seg, self.opts,
-            source=item.file.rel, source_path=str(item.file.path),
-            source_bytes=item.source_bytes, source_mtime_ns=item.source_mtime_ns,
-            fingerprint=self.fingerprint, source_mode=loaded.source_mode, notes=list(loaded.notes),
-        )
+        try:
+            return write_image(
+                self.out, item.file.name, np.asarray(loaded.image), seg, self.opts,
+                source=item.file.rel, source_path=str(item.file.path),
+                source_bytes=item.source_bytes, source_mtime_ns=item.source_mtime_ns,
+                fingerprint=self.fingerprint, source_mode=loaded.source_mode, notes=list(loaded.notes),
+            )
+        except OutputWriteError:
+            self._refused.set()
+            raise
 
     def _fail_item(self, item: _Item, reason: str) -> None:
         self.statuses[item.file.name] = ImageStatus(item.file.name, item.file.rel, "failed", reason)
@@ -509,10 +543,19 @@ class SegmentRun:
         buckets: OrderedDict[tuple[int, ...], list[_Item]] = OrderedDict()
 
         def finish_write(item: _Item, fut: Future) -> None:
+            """The outcome of one image's write; raises _OutputFault when the output file
+            system refused it (the image is then neither done nor failed: a rerun does it)."""
             try:
                 rec = fut.result()
             except _ModelFailed as e:
                 self._fail_item(item, str(e))
+            except OutputWriteError as e:
+                log.debug("writing %s failed", item.file.name, exc_info=True)
+                if self.fault is None:
+                    self.fault = str(e)
+                raise _OutputFault from e
+            except _OutputFault:  # queued after the refused write: not started
+                raise
             except Exception as e:
                 log.debug("writing %s failed", item.file.name, exc_info=True)
                 self._fail_item(item, f"writing outputs failed ({_describe(e)})")
@@ -583,6 +626,9 @@ class SegmentRun:
         try:
             with logging_redirect_tqdm():
                 for item in loaded_items():
+                    if self._refused.is_set():  # a writer met a refused write: stop here
+                        drain(0)  # raises _OutputFault at that image's write
+                        raise _OutputFault
                     self.t.read_s += item.read_s
                     if item.error is not None:
                         self._fail_item(item, item.error)
@@ -596,13 +642,17 @@ class SegmentRun:
                     elif sum(map(len, buckets.values())) > max_held:  # many sizes: bound memory
                         run_batch(buckets.pop(max(buckets, key=lambda k: len(buckets[k]))))
                 for key in list(buckets):
+                    if self._refused.is_set():
+                        break
                     run_batch(buckets.pop(key))
                 wait_method()
                 drain(0)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, _OutputFault):
+            # Ctrl-C, or the output file system refused a write: stop reading and computing;
+            # images being written are completed (or, refused too, leave none of their files)
             loader.shutdown(wait=False, cancel_futures=True)
             futures.wait(running)  # its batch's outputs join the writes below
-            for it, fut in writes:  # files being written are completed (each write is atomic)
+            for it, fut in writes:
                 if fut.cancel():
                     continue
                 with contextlib.suppress(Exception):
@@ -633,21 +683,21 @@ class SegmentRun:
         model_name = getattr(self.backbone, "name", None) or OmegaConf.select(self.cfg, "model.name", default="?")
         method_name = getattr(self.method, "name", None) or OmegaConf.select(self.cfg, "method.name", default="?")
         if self.files:
-            write_coco(self.out / "annotations.json", records, info={
+            self._write_run_file("annotations.json", write_coco, records, info={
                 "description": f"segment: {model_name} / {method_name}",
                 "date_created": self.started.isoformat(timespec="seconds"),
                 "version": package_versions(("segment",)).get("segment"),
                 "input": str(self.input_root),
             })
-            write_gallery(
-                self.out / "index.html", records, failed=skipped, title=f"segment: {self.out.name}",
+            if self._write_run_file(
+                "index.html", write_gallery, records, failed=skipped, title=f"segment: {self.out.name}",
                 summary=[
                     ("input", str(self.input_root)), ("model", str(model_name)), ("method", str(method_name)),
                     ("images", f"{len(records)} segmented of {len(self.files)}; {len(skipped)} file(s) not used"),
                 ],
                 thumb_size=self.opts.thumb_size, colormap=self.opts.colormap,
-            )
-            self.gallery = self.out / "index.html"
+            ):
+                self.gallery = self.out / "index.html"
         proc = self.t.processing_s
         timings = self.t.rounded()
         if self.ranks:  # torchrun: the slowest rank's processing time
@@ -685,10 +735,25 @@ class SegmentRun:
         if self.ranks is not None:  # torchrun: one entry per rank (counts, device, timings)
             manifest["world_size"] = len(self.ranks)
             manifest["ranks"] = self.ranks
+        if self.fault is not None and self.error is None:  # it was annotations.json or index.html
+            manifest["error"] = f"cannot write to the output folder: {self.fault}"
+        if self.fault is not None:
+            manifest["exit_code"] = code if code == EXIT_INTERRUPTED else EXIT_FAILED
+        self._write_run_file("run.json", write_manifest, manifest)
+
+    def _write_run_file(self, name: str, write: Any, *args: Any, **kwargs: Any) -> bool:
+        """``write(self.out / name, ...)``; a refused write is noted (``unwritten``, ``fault``)
+        instead of raised, so the other run-level files are still tried."""
         try:
-            write_manifest(self.out / "run.json", manifest)
+            write(self.out / name, *args, **kwargs)
         except OSError as e:
-            log.error("cannot write %s: %s", self.out / "run.json", e)
+            log.debug("writing %s failed", name, exc_info=True)
+            self.unwritten.append(name)
+            if self.fault is None:
+                tmp = e.filename is not None and os.fsdecode(e.filename).endswith(".tmp")
+                self.fault = str(OutputWriteError(self.out, e, self.out / name if tmp or e.filename is None else None))
+            return False
+        return True
 
 
 def run_segment(cfg: DictConfig, **kwargs: Any) -> int:

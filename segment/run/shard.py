@@ -32,7 +32,7 @@ from segment.eval import dist
 from segment.eval.dist import DistContext
 
 from segment.run.io import InputError
-from segment.utils import EXIT_INTERRUPTED, EXIT_OK
+from segment.utils import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -95,6 +95,7 @@ class RankReport:
         device: its device description.
         interrupted: it stopped on Ctrl-C.
         error: its run-level error, if any.
+        fault: the write its output file system refused, if any (the run stops).
     """
 
     rank: int
@@ -104,6 +105,7 @@ class RankReport:
     device: dict[str, Any] = field(default_factory=dict)
     interrupted: bool = False
     error: str | None = None
+    fault: str | None = None
 
     def summary(self) -> dict[str, Any]:
         """The rank's line in ``run.json``: counts, timings, device (no per-image list)."""
@@ -134,7 +136,8 @@ def finish(run: Any, code: int) -> int:
         code: this rank's exit code so far.
 
     Returns:
-        The run's exit code on rank 0 (130 if any rank was interrupted), ``code`` elsewhere.
+        The run's exit code on rank 0 (130 if any rank was interrupted, 1 if a rank's output
+        file system refused a write), ``code`` elsewhere.
     """
     from segment.run.outputs import ImageStatus, device_info
 
@@ -142,7 +145,7 @@ def finish(run: Any, code: int) -> int:
     report = RankReport(
         rank=ctx.rank, images=len(run.mine), timings=run.t.rounded(), device=device_info(run.device),
         statuses={n: s.as_dict() for n, s in run.statuses.items()},
-        interrupted=run.interrupted, error=run.error,
+        interrupted=run.interrupted, error=run.error, fault=run.fault,
     )
     reports = merge(report, ctx)
     if reports is None:  # not rank 0
@@ -150,7 +153,9 @@ def finish(run: Any, code: int) -> int:
     for r in reports:
         for name, d in r.statuses.items():
             run.statuses[name] = ImageStatus(**{**d, "rank": r.rank if d["status"] == "done" else None})
-        if r.error and not r.interrupted and r.rank != 0 and run.input_root is not None:
+        if r.fault is not None and run.fault is None:  # not an image fault: a rerun does the rest
+            run.fault = r.fault if r.rank == 0 else f"rank {r.rank}: {r.fault}"
+        if r.error and not r.interrupted and r.fault is None and r.rank != 0 and run.input_root is not None:
             for f in run.files[r.rank :: ctx.world_size]:  # its unfinished share
                 if f.name not in run.statuses:
                     run.statuses[f.name] = ImageStatus(f.name, f.rel, "failed", f"rank {r.rank} stopped: {r.error}")
@@ -175,6 +180,8 @@ def finish(run: Any, code: int) -> int:
     run.interrupted = any(r.interrupted for r in reports)
     if run.interrupted:
         return EXIT_INTERRUPTED
+    if run.fault is not None:
+        return EXIT_FAILED
     if code != EXIT_OK or run.input_root is None:
         return code
     return run._outcome()
