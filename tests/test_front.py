@@ -283,6 +283,48 @@ def test_segment_ends_by_printing_the_gallery(tmp_path):
     assert (tmp_path / "o2" / "index.html").is_file()
 
 
+def test_segment_failures_before_the_run_are_one_segment_line(tmp_path):
+    """Missing input, no images, a model that cannot be built: one ``segment: ...`` line
+    each (not a logger line with a time stamp), exit 2, no traceback."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    img = tmp_path / "one"
+    img.mkdir()
+    Image.fromarray(np.full((40, 40, 3), 90, np.uint8)).save(img / "a.png")
+    for args, needle in (
+        (["input=nope/"], "segment: input path 'nope' does not exist"),
+        ([f"input={empty}"], "segment: no images found under"),
+        ([f"input={img}", f"model.checkpoint={tmp_path / 'no.safetensors'}"], "segment: cannot build the model"),
+    ):
+        r = run("segment", *args, f"output={tmp_path / 'out'}", *TINY, cwd=tmp_path)
+        line = _one_line_error(r, needle)
+        assert line.startswith(needle) and "ERROR" not in r.stdout + r.stderr, (line, r.stdout, r.stderr)
+        assert not (tmp_path / "out").exists()
+
+
+def test_an_unexpected_error_in_a_job_is_one_line_unless_hydra_full_error(monkeypatch, capsys):
+    import logging
+
+    from segment.run import front
+
+    def broken() -> int:
+        return {}["model"]
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    assert front.job("segment-eval", broken) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["segment-eval: KeyError: 'model' (rerun with HYDRA_FULL_ERROR=1 for the traceback)"]
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(KeyError):
+        front.job("segment-eval", broken)
+    # the console formatter: errors as one command line, the rest as before
+    fmt = front.OneLineErrors("segment", logging.Formatter("[%(levelname)s] %(message)s"))
+    rec = lambda level, msg: logging.LogRecord("x", level, __file__, 1, msg, (), None)  # noqa: E731
+    assert fmt.format(rec(logging.ERROR, "input path 'nope' does not exist")) == \
+        "segment: input path 'nope' does not exist"
+    assert fmt.format(rec(logging.INFO, "5 images")) == "[INFO] 5 images"
+
+
 # ----------------------------------------------------------------------------- offline
 
 

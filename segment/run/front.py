@@ -26,6 +26,7 @@ or settings, 130 interrupted.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import shutil
 import sys
@@ -38,7 +39,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-EXIT_BAD_INPUT = 2  # = segment.utils.EXIT_BAD_INPUT (not imported: that module loads torch)
+EXIT_FAILED = 1  # = segment.utils.EXIT_FAILED (not imported: that module loads torch)
+EXIT_BAD_INPUT = 2  # = segment.utils.EXIT_BAD_INPUT
 EXIT_INTERRUPTED = 130
 
 CONFIG_MODULE = "segment.configs"
@@ -71,6 +73,54 @@ def note_run_dir() -> None:
         _RUN_DIR.append(HydraConfig.get().runtime.output_dir)
     except ValueError:
         pass
+
+
+class OneLineErrors(logging.Formatter):
+    """A console formatter: an error is one ``COMMAND: message`` line, like the pre-check's
+    (no time stamp, no logger name, no traceback unless ``HYDRA_FULL_ERROR=1``); other
+    records as ``base`` formats them."""
+
+    def __init__(self, command: str, base: logging.Formatter | None = None) -> None:
+        super().__init__()
+        self.command = command
+        self.base = base or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.levelno < logging.ERROR:
+            return self.base.format(record)
+        line = f"{self.command}: {record.getMessage()}"
+        if record.exc_info and _full_error():
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def _full_error() -> bool:
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def job(command: str, work: Callable[[], int]) -> int:
+    """The body of a ``@hydra.main`` job: Hydra's run folder noted (:func:`note_run_dir`),
+    errors on the console as one line (:class:`OneLineErrors`), then ``work()``.
+
+    An exception that escapes ``work`` (a bug, or a fault nothing expected) is one
+    ``COMMAND: ...`` line and exit 1; ``HYDRA_FULL_ERROR=1`` lets it through to Hydra,
+    which prints the traceback.
+    """
+    note_run_dir()
+    for h in logging.getLogger().handlers:
+        if type(h) is logging.StreamHandler and not isinstance(h.formatter, OneLineErrors):
+            h.setFormatter(OneLineErrors(command, h.formatter))
+    try:
+        return work()
+    except Exception as e:
+        if _full_error():
+            raise
+        while type(e).__name__ == "InstantiationException" and e.__cause__ is not None:
+            e = e.__cause__
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"{command}: {type(e).__name__}{': ' + msg if msg else ''} "
+              "(rerun with HYDRA_FULL_ERROR=1 for the traceback)", file=sys.stderr, flush=True)
+        return EXIT_FAILED
 
 
 # --------------------------------------------------------------------------- names
