@@ -17,6 +17,7 @@ import torch
 EXIT_OK = 0  # something was done
 EXIT_FAILED = 1  # nothing could be processed
 EXIT_BAD_INPUT = 2  # unusable input or configuration
+EXIT_BUSY = 3  # segment: the output folder is in use by another run (nothing was written)
 EXIT_INTERRUPTED = 130  # Ctrl-C (finished work kept)
 
 

@@ -41,6 +41,7 @@ from omegaconf import OmegaConf
 
 EXIT_FAILED = 1  # = segment.utils.EXIT_FAILED (not imported: that module loads torch)
 EXIT_BAD_INPUT = 2  # = segment.utils.EXIT_BAD_INPUT
+EXIT_BUSY = 3  # = segment.utils.EXIT_BUSY
 EXIT_INTERRUPTED = 130
 
 CONFIG_MODULE = "segment.configs"
@@ -354,6 +355,26 @@ def check_output(output: str | os.PathLike) -> Plan:
     return Plan(output=out, output_existed=out.exists(), anchor=anchor)
 
 
+class FolderInUse(Exception):
+    """Another ``segment`` run holds the output folder (one line, exit 3)."""
+
+
+def check_not_busy(output: Path) -> None:
+    """Refuse an output folder that a live run holds (:mod:`segment.run.lock`); the run
+    itself takes the lock later, so two runs started at once are told apart there.
+
+    Raises:
+        FolderInUse: naming the other run's pid and host.
+    """
+    if not (output / ".segment.lock").exists():  # = lock.LOCK_NAME; the usual case: no imports
+        return
+    from segment.run.lock import busy_message, holder
+
+    h = holder(output)
+    if h is not None:
+        raise FolderInUse(busy_message(output, h))
+
+
 # --------------------------------------------------------------------------- cleanup
 
 
@@ -414,9 +435,14 @@ def run_command(command: str, config_name: str, hydra_main: Callable[[], Any],
             cfg = check_overrides(command, config_name, args)
             if cfg.get("output"):
                 plan = check_output(str(cfg.output))
+            if command == "segment" and plan.output is not None and os.environ.get("RANK", "0") == "0":
+                check_not_busy(plan.output)  # before Hydra writes its files into the folder
     except UsageError as e:
         print(f"{command}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except FolderInUse as e:
+        print(f"{command}: {e}", file=sys.stderr)
+        return EXIT_BUSY
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     try:

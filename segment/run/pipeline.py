@@ -25,10 +25,18 @@ end of every run, so a resumed run lists every image of the input. Under ``torch
 rank runs this flow on its share of the sorted list and rank 0 writes the run-level files
 (:mod:`segment.run.shard`).
 
+One run per output folder: the run holds ``<output>/.segment.lock`` (its pid and host,
+:mod:`segment.run.lock`) from the scan to the run files; a second run into the same folder
+stops at once with one line naming the first (exit 3), and a lock left by a run that died
+is taken over. A write the output file system refuses (a full disk, a quota, a read-only
+remount) stops the run at once (exit 1): the images finished stay complete, the image
+being written leaves none of its files, and the error line says how far it got.
+
 Bad input never stops the run: each unusable file is logged with the reason, listed in the
 manifest and the gallery, and the run goes on. The exit code is 0 when at least one image is
-segmented (now or by an earlier run), 1 when none could be, 2 when the input itself is
-unusable (missing path, no images, bad settings, a model that cannot be loaded), 130 after
+segmented (now or by an earlier run), 1 when none could be or the output folder could not be
+written, 2 when the input itself is unusable (missing path, no images, bad settings, a model
+that cannot be loaded), 3 when another run holds the output folder, 130 after
 Ctrl-C (the files of finished images and the run-level files are still written). A run that
 cannot start (exit 2 before any image is processed) writes nothing into the output folder
 and does not create it.
@@ -62,6 +70,7 @@ from torch import Tensor
 from segment.core.masks import MethodOutput, label_upsampling_setting
 from segment.core.record import AttentionRecord
 from segment.run import shard
+from segment.run.lock import FolderBusy, OutputLock
 from segment.run.api import Segmenter
 from segment.run.io import (
     IMAGE_EXTENSIONS,
@@ -90,6 +99,7 @@ from segment.run.outputs import (
 )
 from segment.utils import (
     EXIT_BAD_INPUT,
+    EXIT_BUSY,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -232,6 +242,7 @@ class SegmentRun:
         self.ignored: list[tuple[str, str]] = []
         self.interrupted = False
         self.error: str | None = None
+        self.lock = OutputLock(self.out)  # held from the scan to the run files (rank 0)
         self.fault: str | None = None  # the first write the output file system refused (why, which file)
         self.unwritten: list[str] = []  # run-level files that could not be written
         self.started = datetime.now(timezone.utc)
@@ -277,6 +288,7 @@ class SegmentRun:
                 self._write_summary(code)
                 if self.fault is not None and code != EXIT_INTERRUPTED:
                     code = EXIT_FAILED
+            self.lock.release()
             if self.ctx.distributed:
                 code = shard.agree(code, self.ctx)
         if self.ctx.is_main and self.fault is not None:
@@ -309,10 +321,23 @@ class SegmentRun:
                 raise InputError(f"output {str(self.out)!r} exists and is not a folder")
             if input_path.exists() and input_path.resolve() == self.out:
                 raise InputError(f"output folder {str(self.out)!r} is the input folder; choose another output")
-            return find_images(input_path, exclude=[self.out])
+            listing = find_images(input_path, exclude=[self.out])
+            if listing.files:  # one run per output folder, from before the plan reads the records
+                try:
+                    self.lock.acquire()
+                except OSError as e:
+                    raise InputError(f"cannot create the output folder {str(self.out)!r}: {e.strerror or e}") from None
+                if self.lock.stale is not None:
+                    log.warning("took over the output folder's lock from a run that ended without "
+                                "giving it back (%s)", self.lock.stale.describe())
+            return listing
 
         try:
-            listing = shard.scan(list_input, self.ctx)  # torchrun: rank 0 lists, all get it
+            listing = shard.scan(list_input, self.ctx)  # torchrun: rank 0 lists and locks, all get it
+        except FolderBusy as e:
+            self.error = str(e)
+            log.error(self.error)
+            return EXIT_BUSY
         except InputError as e:
             return self._fail(str(e))
         self.input_root = listing.root

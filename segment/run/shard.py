@@ -7,7 +7,8 @@
    objects, so gloo serves CPU and CUDA runs alike and no NCCL watchdog fires while a slow
    rank finishes; each rank computes on ``cuda:LOCAL_RANK``);
 2. gets rank 0's listing of the input (:func:`scan`: one scan, so every rank sees the same
-   sorted file list even if the folder changes meanwhile);
+   sorted file list even if the folder changes meanwhile); rank 0 also takes the output
+   folder's lock (:mod:`segment.run.lock`) for the whole run: its ranks are one run;
 3. takes every K-th image of that sorted list (:func:`share`, :func:`segment.eval.dist.shard`)
    and plans, segments and writes it exactly like a single process: every per-image file
    and its ``records/<name>.json`` are written by the rank that made them;
@@ -69,11 +70,11 @@ def scan(list_input: Callable[[], T], ctx: DistContext) -> T:
     if ctx.is_main:
         try:
             got = ("ok", list_input())
-        except InputError as e:
-            got = ("error", str(e))
+        except InputError as e:  # the same error (FolderBusy...) on every rank
+            got = ("error", e)
     kind, value = dist.broadcast(got, ctx)
     if kind == "error":
-        raise InputError(value)
+        raise value
     return value
 
 
