@@ -114,6 +114,7 @@ _WRONG_TYPE = [  # either command
     ("segment", "method.layers=[-1.5]", "expected whole numbers, e.g. [-1]"),
     ("segment", "batch_size=2.0", "expected a whole number >= 1 (the default is 8)"),
     ("segment", "min_size=-1", "expected a whole number >= 0 (the default is null)"),
+    ("segment", "retry_skipped=maybe", "expected true or false (the default is False)"),
     # an empty input (an unset shell variable) is not "the bundled examples"
     ("segment", "input=", "empty; give a folder or an image, or leave out input= for the bundled examples"),
 ])
@@ -390,6 +391,8 @@ def test_help(tmp_path, cmd, groups, absent):
     examples = text.split("Examples:")[1].split("\n\n")[0]
     assert sum(ln.startswith(f"  {cmd} ") for ln in examples.splitlines()) == 3
     assert "model.checkpoint=PATH" in text and "Exit codes: 0" in text
+    if cmd == "segment":  # every run setting of configs/segment.yaml is listed
+        assert "retry_skipped=false" in text and "3 the output folder is in use" in text
     if cmd == "segment-eval":
         assert "dataset.root=PATH" in text and "(required)" in text
     listed: dict[str, str] = {}

@@ -657,3 +657,51 @@ def test_a_full_disk_stops_the_run_in_one_line_and_a_resume_completes_it(tmp_pat
     assert man["counts"] == {"found": 8, "segmented": 8 - len(records), "resumed": len(records),
                              "failed": 0, "ignored": 0}
     _same_outputs(ref, out)
+
+
+def test_a_resume_skips_unchanged_unreadable_files_without_loading_the_model(tmp_path, monkeypatch, caplog):
+    """Files run.json lists as unreadable are skipped again while their size and mtime are
+    unchanged: with nothing else to do the model is not even built; a changed file, or
+    retry_skipped=true, reads them again."""
+    import segment.run.pipeline as pipeline_mod
+
+    src, out = tmp_path / "in", tmp_path / "out"
+    reasons = make_folder(src)  # 5 good images, 4 bad files (3 unreadable, 1 too small)
+    assert run_segment(compose_cfg(src, out)) == 0
+    first = {s["source"]: s for s in _manifest(out)["images"]}
+    assert {k for k, v in first.items() if v.get("unreadable")} == {"empty.jpg", "text.png", "sub/cut.jpg"}
+    assert first["empty.jpg"]["source_bytes"] == 0 and "source_mtime_ns" in first["text.png"]
+    assert "unreadable" not in first["tiny.png"]  # too small for this model: not the file's fault
+
+    builds = []
+    real_build = pipeline_mod.SegmentRun._build
+    monkeypatch.setattr(pipeline_mod.SegmentRun, "_build", lambda self: builds.append(1) or real_build(self))
+    (src / "tiny.png").unlink()  # only the known-bad files are left to do
+    caplog.clear()
+    caplog.set_level("INFO")
+    assert run_segment(compose_cfg(src, out)) == 0
+    assert builds == []  # the model was not loaded
+    assert "5 already done, 0 to segment, 3 known-bad files skipped again" in caplog.text
+    assert "skipped " + str(src) not in caplog.text  # not read again, so no per-file warning
+    man = _manifest(out)
+    assert man["counts"] == {"found": 8, "segmented": 0, "resumed": 5, "failed": 3, "ignored": 1}
+    again = {s["source"]: s for s in man["images"] if s["status"] == "failed"}
+    for path in ("empty.jpg", "text.png", "sub/cut.jpg"):
+        assert again[path]["known_bad"] and reasons[path] in again[path]["reason"]
+        assert again[path]["source_mtime_ns"] == first[path]["source_mtime_ns"]
+    assert "sub/cut.jpg" in (out / "index.html").read_text()  # still listed with its reason
+
+    # the next run too (run.json keeps them listed); a changed file is read again
+    os.utime(src / "text.png", ns=(1, 1))
+    caplog.clear()
+    assert run_segment(compose_cfg(src, out)) == 0
+    assert "0 to segment, 2 known-bad files skipped again" not in caplog.text
+    assert "1 to segment, 2 known-bad files skipped again" in caplog.text
+    assert builds == [1]
+    # retry_skipped=true reads every one of them again (and says why each is skipped)
+    caplog.clear()
+    assert run_segment(compose_cfg(src, out, "retry_skipped=true")) == 0
+    assert "3 to segment -> " in caplog.text and "known-bad" not in caplog.text
+    assert all(f"{src / p}" in caplog.text for p in ("empty.jpg", "text.png", "sub/cut.jpg"))
+    with pytest.raises(ValueError, match="retry_skipped must be true or false"):
+        SegmentRun(compose_cfg(src, out, "retry_skipped='yes'"))

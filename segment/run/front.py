@@ -478,8 +478,8 @@ _HELP = {
             ("output=DIR", "the results folder; default: outputs/segment (a rerun resumes)"),
             ("model.checkpoint=PATH", "offline machines: local weights (.safetensors / torch state dict)"),
         ],
-        settings="device=auto|cpu|cuda  batch_size=8  overwrite=false  num_workers  max_pixels  min_size\n"
-                 "  progress=true  label_upsampling=smooth|nearest\n"
+        settings="device=auto|cpu|cuda  batch_size=8  overwrite=false  retry_skipped=false  num_workers\n"
+                 "  max_pixels  min_size  progress=true  label_upsampling=smooth|nearest\n"
                  "  render.{colormap,overlay_alpha,jpeg_quality,png_compression,thumb_size,fsync}",
     ),
     "segment-eval": dict(
@@ -521,8 +521,11 @@ def help_text(command: str) -> str:
     lines += ["", "Settings (KEY=VALUE):", f"  {h['settings']}",
               "  model.KEY / method.KEY: the keys of the chosen configs; list them with",
               f"  `{command} [model=NAME] [method=NAME] --cfg job`",
-              "", "Exit codes: 0 done, 1 nothing could be processed, 2 unusable input or settings, "
-              "130 interrupted.",
+              "", textwrap.fill("Exit codes: 0 done, 1 nothing could be processed" + (
+                  " or the output folder could not be written (a full disk: a rerun resumes)"
+                  if command == "segment" else "") + ", 2 unusable input or settings, " + (
+                  "3 the output folder is in use by another run, " if command == "segment" else "")
+                  + "130 interrupted.", width=96),
               "Python: import segment; seg = segment.load(model=..., method=...); seg(image)",
               "Hydra's own options: --hydra-help"]
     return "\n".join(lines).replace("$", "$$")

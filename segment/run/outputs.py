@@ -727,6 +727,12 @@ class ImageStatus:
     reason: str | None = None
     seconds: float | None = None
     rank: int | None = None  # the torchrun rank that segmented it (distributed runs)
+    # files that cannot be read: their size and mtime then, so that a rerun skips them while
+    # they are unchanged (known_bad: skipped again without reading, unless retry_skipped=true)
+    unreadable: bool | None = None
+    source_bytes: int | None = None
+    source_mtime_ns: int | None = None
+    known_bad: bool | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}

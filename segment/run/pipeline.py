@@ -130,6 +130,7 @@ class _Item:
     loaded: LoadedImage | None = None
     pixels: Tensor | None = None  # (3, H, W) preprocessed
     error: str | None = None
+    unreadable: bool = False  # the error is the file's own (read_image), not a setting's
     read_s: float = 0.0
 
 
@@ -229,6 +230,11 @@ class SegmentRun:
         self.max_pixels = cfg.get("max_pixels")
         self.min_size = cfg.get("min_size")
         self.overwrite = bool(cfg.get("overwrite", False))
+        retry = cfg.get("retry_skipped", False)
+        if not isinstance(retry, bool):
+            raise ValueError(f"retry_skipped must be true or false, got {retry!r}")
+        self.retry_skipped = retry or self.overwrite
+        self.known_bad = 0  # unreadable files skipped again without reading (see _plan)
         self.progress = bool(cfg.get("progress", True)) and self.ctx.is_main
         self.fingerprint = config_fingerprint(cfg)
         self.device: torch.device | None = None
@@ -357,12 +363,16 @@ class SegmentRun:
         self.t.plan_s = time.perf_counter() - ts
         done_before = len(self.mine) - len(todo)
         n = len(self.files)
+        done_before -= self.known_bad
         log.info(
-            "%s%d image%s %s: %d already done%s, %d to segment -> %s",
+            "%s%d image%s %s: %d already done%s, %d to segment%s -> %s",
             f"rank {self.ctx.rank}/{self.ctx.world_size}: {len(self.mine)} of " if self.ctx.distributed else "",
             n, "" if n == 1 else "s",
             f"({input_path})" if input_path.is_file() else f"under {listing.root}", done_before,
-            "" if not self.overwrite else " (overwrite=true: redoing all)", len(todo), self.out,
+            "" if not self.overwrite else " (overwrite=true: redoing all)", len(todo),
+            f", {self.known_bad} known-bad file{'' if self.known_bad == 1 else 's'} skipped again (unchanged "
+            "since run.json listed them as unreadable; retry_skipped=true reads them again)" if self.known_bad else "",
+            self.out,
         )
         if todo:
             ts = time.perf_counter()
@@ -405,7 +415,11 @@ class SegmentRun:
     # ------------------------------------------------------------------ plan / build
 
     def _plan(self, files: list[ImageFile]) -> list[_Item]:
+        """The images to segment: not those with a current record (resume), nor the files
+        an earlier run found unreadable that are unchanged since (size and mtime; unless
+        ``retry_skipped`` or ``overwrite``)."""
         todo = []
+        bad = {} if self.retry_skipped else self._known_unreadable()
         for f in files:
             try:
                 st = f.path.stat()
@@ -419,8 +433,28 @@ class SegmentRun:
                     self.records[f.name] = rec
                     self.statuses[f.name] = ImageStatus(f.name, f.rel, "resumed")
                     continue
+            was = bad.get(f.rel)
+            if was is not None and (was.get("source_bytes"), was.get("source_mtime_ns")) == (st.st_size, st.st_mtime_ns):
+                self.statuses[f.name] = ImageStatus(
+                    f.name, f.rel, "failed", str(was.get("reason", "unreadable")), unreadable=True,
+                    source_bytes=st.st_size, source_mtime_ns=st.st_mtime_ns, known_bad=True)
+                self.known_bad += 1
+                continue
             todo.append(item)
         return todo
+
+    def _known_unreadable(self) -> dict[str, dict[str, Any]]:
+        """The files the last run.json of this output lists as unreadable (source -> status),
+        when it read the same input with the same ``max_pixels`` (which decides some of them)."""
+        try:
+            man = json.loads((self.out / "run.json").read_text("utf-8"))
+            if man.get("input") != str(self.input_root):
+                return {}
+            if (man.get("config") or {}).get("max_pixels") != self.max_pixels:
+                return {}
+            return {s["source"]: s for s in man.get("images", []) if s.get("unreadable")}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return {}
 
     def _current_record(self, f: ImageFile, size: int, mtime_ns: int) -> ImageRecord | None:
         """``f``'s record on disk if it is current (same settings, same source file, every
@@ -459,7 +493,11 @@ class SegmentRun:
         """Loader thread: read, check, preprocess one image (errors are kept on the item)."""
         t0 = time.perf_counter()
         try:
-            loaded = read_image(item.file.path, max_pixels=self.max_pixels)
+            try:
+                loaded = read_image(item.file.path, max_pixels=self.max_pixels)
+            except ImageReadError:
+                item.unreadable = True
+                raise
             h, w = loaded.size
             mh, mw = self.min_hw
             if h < mh or w < mw:
@@ -534,8 +572,13 @@ class SegmentRun:
             self._refused.set()
             raise
 
-    def _fail_item(self, item: _Item, reason: str) -> None:
-        self.statuses[item.file.name] = ImageStatus(item.file.name, item.file.rel, "failed", reason)
+    def _fail_item(self, item: _Item, reason: str, unreadable: bool = False) -> None:
+        """``item`` could not be segmented; an ``unreadable`` file keeps its size and mtime
+        in run.json, so a rerun skips it while it is unchanged (see ``_plan``)."""
+        st = ImageStatus(item.file.name, item.file.rel, "failed", reason)
+        if unreadable:
+            st.unreadable, st.source_bytes, st.source_mtime_ns = True, item.source_bytes, item.source_mtime_ns
+        self.statuses[item.file.name] = st
         log.warning("skipped %s: %s", item.file.path, reason)
 
     def _progress_bar(self, total: int) -> Any:
@@ -656,7 +699,7 @@ class SegmentRun:
                         raise _OutputFault
                     self.t.read_s += item.read_s
                     if item.error is not None:
-                        self._fail_item(item, item.error)
+                        self._fail_item(item, item.error, unreadable=item.unreadable)
                         bar.update(1)
                         continue
                     key = tuple(item.pixels.shape)
