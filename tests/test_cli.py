@@ -138,3 +138,53 @@ def test_cli_dinov2_masks_match_ecssd_ground_truth(tmp_path, dinov2_weights, ecs
     # CLS attention (method=cls_attention, the default's floor) 0.574 / 0.868, so a default
     # that degrades towards CLS attention, or misplaced masks, fail here
     assert iou > 0.71 and acc > 0.91, (iou, acc)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 600 KB tmpfs (root on Linux, where mounting is allowed; skipped elsewhere); the
+    second item makes it 50 MB ("room again")."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if sys.platform != "linux" or os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("needs root on Linux to mount a small tmpfs")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt, lambda: subprocess.run(["mount", "-o", "remount,size=50m", "tmpfs", str(mnt)], check=True)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_cli_full_disk_is_one_line_and_a_rerun_with_room_completes(tmp_path, small_disk):
+    """12 photos into a 600 KB tmpfs: exit 1 and one line (no traceback, no image reported
+    as skipped), finished images complete and no partial ones; with room, a rerun does the rest."""
+    mnt, grow = small_disk
+    src, out = tmp_path / "in", mnt / "out"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(12):
+        a = (rng.random((480, 640, 3)) * 60 + 40).astype(np.uint8)
+        a[120:360, 160:480] = rng.integers(120, 255, 3)
+        Image.fromarray(a).save(src / f"photo{i:02d}.jpg", quality=90)
+    env = {k: v for k, v in _env().items() if k != "HYDRA_FULL_ERROR"}
+    args = [str(SEGMENT), f"input={src}", f"output={out}", *TINY, "progress=false", "batch_size=2"]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    text = r.stdout + r.stderr
+    assert r.returncode == 1, text
+    errors = [ln for ln in text.splitlines() if ln.startswith("segment: ")]
+    assert len(errors) == 1 and "Traceback" not in text and "skipped" not in text, text
+    done = sorted(p.stem for p in (out / "records").glob("*.json"))
+    assert 0 < len(done) < 12
+    assert f"cannot write to the output folder '{out}' (No space left on device" in errors[0]
+    assert f"{len(done)} of 12 images are finished" in errors[0] and "rerun the same command" in errors[0]
+    for p in out.rglob("*"):
+        assert not p.name.endswith(".tmp"), p
+        if p.is_file() and p.suffix in (".png", ".jpg"):
+            assert p.stem in done, p  # no partial set of an unfinished image
+    grow()
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    man = json.loads((out / "run.json").read_text())
+    assert man["counts"]["resumed"] == len(done) and man["counts"]["segmented"] == 12 - len(done)
