@@ -315,6 +315,13 @@ def test_an_unexpected_error_in_a_job_is_one_line_unless_hydra_full_error(monkey
     assert front.job("segment-eval", broken) == 1
     err = capsys.readouterr().err
     assert err.splitlines() == ["segment-eval: KeyError: 'model' (rerun with HYDRA_FULL_ERROR=1 for the traceback)"]
+    def full() -> int:
+        raise OSError(28, "No space left on device", "/out/results.json")
+
+    assert front.job("segment-eval", full) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "segment-eval: cannot write: No space left on device (/out/results.json); rerun the same command "
+        "to resume once it can be written"]
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     with pytest.raises(KeyError):
         front.job("segment-eval", broken)

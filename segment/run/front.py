@@ -26,6 +26,7 @@ or settings, 130 interrupted.
 from __future__ import annotations
 
 import difflib
+import errno
 import logging
 import os
 import shutil
@@ -118,10 +119,18 @@ def job(command: str, work: Callable[[], int]) -> int:
             raise
         while type(e).__name__ == "InstantiationException" and e.__cause__ is not None:
             e = e.__cause__
+        if isinstance(e, OSError) and e.errno in _WRITE_FAULTS:  # a full disk, a quota, read-only
+            where = f" ({os.fsdecode(e.filename)})" if e.filename else ""
+            print(f"{command}: cannot write: {e.strerror}{where}; rerun the same command to resume "
+                  "once it can be written", file=sys.stderr, flush=True)
+            return EXIT_FAILED
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         print(f"{command}: {type(e).__name__}{': ' + msg if msg else ''} "
               "(rerun with HYDRA_FULL_ERROR=1 for the traceback)", file=sys.stderr, flush=True)
         return EXIT_FAILED
+
+
+_WRITE_FAULTS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
 
 
 # --------------------------------------------------------------------------- names

@@ -18,7 +18,9 @@
    ``run.json`` list every image done by any rank or any earlier run.
 
 Resume is per image (records), so a rerun may use another number of ranks; an interrupted
-rank loses only the images it had not finished, and the rerun completes them. The output
+rank loses only the images it had not finished, and the rerun completes them. A rank whose
+writes the output file system refuses (a full disk) stops; rank 0 reports it in the run's
+one error line and the run exits 1, and a rerun completes the rest. The output
 folder must be on a file system that every node sees (as on a cluster).
 """
 
