@@ -682,6 +682,7 @@ def test_a_resume_skips_unchanged_unreadable_files_without_loading_the_model(tmp
     assert run_segment(compose_cfg(src, out)) == 0
     assert builds == []  # the model was not loaded
     assert "5 already done, 0 to segment, 3 known-bad files skipped again" in caplog.text
+    assert "done: 0 segmented, 5 resumed, 3 skipped (reasons in run.json)" in caplog.text
     assert "skipped " + str(src) not in caplog.text  # not read again, so no per-file warning
     man = _manifest(out)
     assert man["counts"] == {"found": 8, "segmented": 0, "resumed": 5, "failed": 3, "ignored": 1}

@@ -408,8 +408,9 @@ class SegmentRun:
             log.error(self.error)
             return EXIT_NOTHING_DONE
         # the word the per-file warnings and the README use for images that could not be done
-        log.info("done: %d segmented, %d resumed, %d skipped%s", n_ok - n_resumed, n_resumed,
-                 n_failed, " (reasons above and in run.json)" if n_failed else "")
+        log.info("done: %d segmented, %d resumed, %d skipped%s", n_ok - n_resumed, n_resumed, n_failed,
+                 "" if not n_failed else " (reasons in run.json)" if n_failed == self.known_bad
+                 else " (reasons above and in run.json)")
         return EXIT_OK
 
     # ------------------------------------------------------------------ plan / build
