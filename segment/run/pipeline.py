@@ -70,7 +70,6 @@ from torch import Tensor
 from segment.core.masks import MethodOutput, label_upsampling_setting
 from segment.core.record import AttentionRecord
 from segment.run import shard
-from segment.run.lock import FolderBusy, OutputLock
 from segment.run.api import Segmenter
 from segment.run.io import (
     IMAGE_EXTENSIONS,
@@ -82,6 +81,7 @@ from segment.run.io import (
     find_images,
     read_image,
 )
+from segment.run.lock import FolderBusy, OutputLock
 from segment.run.outputs import (
     ImageRecord,
     ImageStatus,
