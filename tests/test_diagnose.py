@@ -205,7 +205,7 @@ def test_command_real_dinov2_on_bundled_examples_against_tiny_random(tmp_path, d
     assert diff["lambda2"]["dinov2_vits14"] > diff["lambda2"]["vit_tiny_random"] + 0.2
     assert diff["entropy_frac"]["dinov2_vits14"] < diff["entropy_frac"]["vit_tiny_random"]
     html = (out / "report.html").read_text()
-    assert "vit_tiny_random - dinov2_vits14" in html and "most metastable" in html
+    assert "vit_tiny_random - dinov2_vits14" in html and "Most metastable head" in html
 
 
 # --------------------------------------------------------------------------- the browser

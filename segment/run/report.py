@@ -102,7 +102,7 @@ def _moduli(m: ModelDiagnostics, threshold: float) -> str:
     show = min(40, m.moduli.shape[-1])
     for layer, head in _picked(m):
         ax.plot(np.arange(1, show + 1), m.moduli[layer, head, :show], marker=".",
-                label=f"layer {layer} head {head} (|lambda_2| {m.mean['lambda2'][layer, head]:.3f})")
+                label=f"layer {layer} head {head} (mean |lambda_2| {m.mean['lambda2'][layer, head]:.3f})")
     ax.axhline(threshold, color="grey", ls="--", lw=1, label=f"threshold {threshold:g}")
     ax.set_xlabel("eigenvalue rank k")
     ax.set_ylabel("|lambda_k|")
@@ -159,6 +159,7 @@ def _summary_table(diag: Diagnosis) -> str:
 
 def _summary_bars(diag: Diagnosis) -> str:
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(2, 6, figsize=(14, 4.2), squeeze=False)
     colors = ["#4c72b0", "#dd8452"]
@@ -169,6 +170,7 @@ def _summary_bars(diag: Diagnosis) -> str:
                     label=m.name)
         ax.set_title(k, fontsize=9)
         ax.set_xlabel("layer", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.tick_params(labelsize=7)
     axes[0, 0].legend(fontsize=7)
     fig.suptitle("per layer, mean over heads", fontsize=10)
