@@ -141,6 +141,21 @@ def test_command_tiny_model_writes_json_csv_and_report(tmp_path):
     assert str(out / "report.html") in r.stdout
 
 
+def test_command_compare_runs_at_the_same_input_size(tmp_path):
+    src, out = tmp_path / "in", tmp_path / "out"
+    src.mkdir()
+    _img(80, 80, 3).save(src / "a.png")
+    r = run(f"input={src}", f"output={out}", "model.image_size=112", "compare=vit_tiny_random",
+            "report=false", *TINY)
+    assert r.returncode == 0, r.stderr
+    js = json.loads((out / "diagnostics.json").read_text())
+    assert [m["grid"] for m in js["models"]] == [[8, 8], [8, 8]]
+    assert [m["tokens"] for m in js["models"]] == [65, 65]
+    assert len(js["difference"]) == len(dg.MEASURES)
+    assert len(list(csv.DictReader(open(out / "diagnostics.csv")))) == 8
+    assert not (out / "report.html").exists()
+
+
 @pytest.mark.parametrize("args, code, msg", [
     (["per_imag=true"], 2, "did you mean 'per_image'"),
     (["compare=dinov2_vits14_reg5"], 2, "did you mean 'dinov2_vits14_reg4'"),

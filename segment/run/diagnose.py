@@ -303,9 +303,9 @@ def diagnose(
 
     if isinstance(images, (str, os.PathLike)) and Path(images).expanduser().is_dir():
         listing = find_images(images)
+        if not listing.files:
+            raise ValueError(f"no images under {str(listing.root)!r}")
         images = [f.path for f in listing.files]
-        if not images:
-            raise ValueError(f"no images under {str(images)!r}")
     items = list(images) if isinstance(images, (list, tuple)) else [images]
     if not items:
         raise ValueError("no images to diagnose")
@@ -414,9 +414,12 @@ def run_diagnose(cfg: DictConfig) -> int:
         device = str(cfg.get("device", "auto"))
         models = [cfg.model]
         if cfg.get("compare"):
+            # the compare model sees the images at the same input size
+            same = {"image_size": OmegaConf.to_container(cfg.model, resolve=False)["image_size"]} \
+                if "image_size" in cfg.model else {}
             try:
                 compare = _model_config(str(cfg.compare), cfg.get("compare_checkpoint"), device,
-                                        {}, "compare model")
+                                        same, "compare model")
             except ValueError as e:
                 log.error("compare=%s: %s", cfg.compare, e)
                 return EXIT_BAD_INPUT
@@ -432,11 +435,15 @@ def run_diagnose(cfg: DictConfig) -> int:
                 msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 log.error("cannot build the model %s: %s", mcfg.get("name"), msg)
                 return EXIT_BAD_INPUT
-            results.append(measure_model(
-                backbone, images, names, alpha=float(cfg.alpha), threshold=float(cfg.threshold),
-                top=float(cfg.top), progress=bool(cfg.progress),
-                config=OmegaConf.to_container(mcfg, resolve=True),
-            ))
+            try:
+                results.append(measure_model(
+                    backbone, images, names, alpha=float(cfg.alpha),
+                    threshold=float(cfg.threshold), top=float(cfg.top),
+                    progress=bool(cfg.progress), config=OmegaConf.to_container(mcfg, resolve=True),
+                ))
+            except ValueError as e:  # e.g. attention that is not a chain (one line)
+                log.error("cannot measure %s: %s", mcfg.get("name"), e)
+                return EXIT_FAILED
             del backbone
         diag = Diagnosis(models=results)
         paths = write_files(diag, str(cfg.output), per_image=bool(cfg.per_image),
