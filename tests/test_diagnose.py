@@ -186,6 +186,21 @@ def test_command_exit_1_when_no_image_can_be_read(tmp_path):
     assert "broken.png" in r.stdout + r.stderr
 
 
+def test_command_ctrl_c_exits_130_and_writes_nothing(tmp_path):
+    from conftest import interrupt_when
+
+    src, out = tmp_path / "in", tmp_path / "out"
+    src.mkdir()
+    for i in range(60):
+        _img(56, 56, i).save(src / f"{i:03d}.png")
+    proc = subprocess.Popen([str(DIAGNOSE), f"input={src}", f"output={out}", *TINY],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    log = interrupt_when(proc, lambda: (out / "diagnose_cli.log").is_file(), poll=0.02)
+    assert proc.returncode == 130, log
+    assert "Traceback" not in log
+    assert not (out / "diagnostics.json").exists() and not (out / "report.html").exists()
+
+
 def test_command_help_lists_the_settings():
     r = run("--help")
     assert r.returncode == 0

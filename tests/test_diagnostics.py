@@ -204,7 +204,7 @@ def test_real_dinov2_heads_match_float64_reference(dinov2_weights):
                         continue
                 worst[name] = max(worst[name], abs(got - ref[name]))
     for name, err in worst.items():
-        assert err < 1e-8, (name, err)
+        assert err < 1e-10, (name, err)  # measured: <= 2e-12 (stable rank), most ~1e-15
     # in range on every head
     assert ((d.lambda2 >= 0) & (d.lambda2 <= 1)).all()
     assert ((d.entropy >= 0) & (d.entropy <= math.log(257))).all()
