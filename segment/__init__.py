@@ -5,6 +5,7 @@ Python API (loaded on first use, so ``import segment`` stays light)::
     seg = segment.load()            # -> segment.Segmenter (configs/model, configs/method names)
     res = seg("photo.jpg")          # -> segment.Result: mask, heatmap, labels, foreground, record
     segment.show(res)               # overlay as a PIL image
+    diag = segment.diagnose("photos/")  # -> per-head attention diagnostics (segment-diagnose)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _API = ("load", "show", "Segmenter", "Result")
-__all__ = [*_API, "__version__"]
+__all__ = [*_API, "diagnose", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,4 +23,8 @@ def __getattr__(name: str) -> Any:
         from segment.run import api
 
         return getattr(api, name)
+    if name == "diagnose":
+        from segment.run.diagnose import diagnose
+
+        return diagnose
     raise AttributeError(f"module 'segment' has no attribute {name!r}")

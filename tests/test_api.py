@@ -358,3 +358,19 @@ def test_readme_snippet_runs(tmp_path, monkeypatch, dinov2_weights):
     assert res.mask.shape == (src.height, src.width)
     assert Image.open(tmp_path / "overlay.jpg").size == src.size
     np.testing.assert_array_equal(to_image(tmp_path / "photo.jpg").size, src.size)
+
+
+def test_tokenrank_convergence_reaches_the_api():
+    """``Segmenter.apply`` keeps the method's ``converged`` flags (``None`` for methods
+    without an iteration)."""
+    from segment.run.api import to_image
+
+    px = None
+    for method, want in (("tokenrank", [True]), ("cls_attention", None)):
+        seg = segment.load(model="vit_tiny_random", method=method, device="cpu")
+        px = seg.preprocess(to_image(np.full((64, 64, 3), 100, np.uint8)))
+        out = seg.forward([px]).out
+        assert (out.converged.tolist() if out.converged is not None else None) == want
+    seg = segment.load(model="vit_tiny_random", method="tokenrank", device="cpu", max_iter=1,
+                       tol=1e-30)
+    assert seg.forward([px]).out.converged.tolist() == [False]

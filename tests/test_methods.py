@@ -202,6 +202,39 @@ def test_tokenrank_is_the_stationary_vector(fuse):
             assert np.allclose(pi @ (0.9 * p + 0.1 / 6), pi, atol=1e-12)
 
 
+@pytest.mark.parametrize("fuse", ["chain", "output"])
+def test_tokenrank_reports_whether_its_power_iteration_converged(fuse):
+    """``converged`` is per image: False when a head of that image stops at ``max_iter``
+    short of ``tol``; the heatmap is the same as before (return_info changes nothing)."""
+    a = stochastic(2, 3, 7, 7, seed=4)
+    # image 1: head 2's patch chain mixes slowly (one block drains into the other)
+    slow = torch.zeros(7, 7, dtype=a.dtype)
+    slow[:, 0] = 0.5
+    slow[1:3, 1:3] = 0.5 * 0.999 / 2  # block {1, 2} leaks slowly into block {3..6}
+    slow[1:3, 3:] = 0.5 * 0.001 / 4
+    slow[3:, 3:] = 0.5 / 4
+    slow[0, 1:] = 0.5 / 6
+    a[1, 2] = slow
+    rec = record({0: a}, VIT)
+    tight = TokenRank(fuse=fuse, alpha=0.999, tol=1e-12, max_iter=3)(rec)
+    assert tight.converged.tolist() == [False, False]
+    loose = TokenRank(fuse=fuse, alpha=0.999, tol=1e-6, max_iter=200)(rec)
+    if fuse == "output":
+        assert loose.converged.tolist() == [True, False]
+    else:  # the fused chain of image 1 mixes slowly too
+        assert loose.converged[0].item() is True
+    ref = np.stack([np_stationary(np_patch_chain(a[b].numpy()[h], G), 0.999)
+                    for b in range(2) for h in range(3)]).reshape(2, 3, 6)
+    if fuse == "output":
+        assert np.allclose(loose.heatmap[0].numpy().ravel(), ref[0].mean(0), atol=1e-5)
+    # the method returns exactly what the core function returns
+    m = TokenRank(fuse="output", alpha=0.999, tol=1e-6, max_iter=200)
+    chain = np_patch_chain(a[0].numpy(), G)
+    from segment.core import markov
+    pi = markov.tokenrank(torch.from_numpy(chain), alpha=0.999, tol=1e-6, max_iter=200)
+    torch.testing.assert_close(m(rec).heatmap[0].ravel(), pi.mean(0), atol=1e-15, rtol=0)
+
+
 def test_tokenrank_lambda2_chain_weights():
     rng = np.random.default_rng(3)
     heads = [two_block_head(e, 0.4, rng.dirichlet(np.ones(7))) for e in (0.1, 0.7)]

@@ -7,6 +7,7 @@ same run; never timed tests).
     python -m segment.eval.bench pipeline  ...   (segment.eval.bench.pipeline)
     python -m segment.eval.bench flux      ...   (segment.eval.bench.flux)
     python -m segment.eval.bench eval      ...   (segment.eval.bench.evaluator)
+    python -m segment.eval.bench diagnose  [--sizes 224] [--repeat 3] [--weights PATH]
     python -m segment.eval.bench gpu       [--quick] [--json PATH]   (segment.eval.bench.gpu: GPU self-check)
 
 ``markov``: TokenRank and ``|lambda_2|`` on real DINOv2 ViT-S/14 attention heads (the
@@ -18,5 +19,8 @@ float64 ``eigvals`` over every head of every layer of several ecssd-dev images (
 ``regions``: the seed-and-grow stage per image against the backbone forward of the same
 batch, in ``--repeat`` interleaved rounds (medians; the ratio is the median of the rounds'
 ratios).
+``diagnose``: ``segment-diagnose``'s work per image (attention capture of every layer and
+head, then every measure of :mod:`segment.core.diagnostics`) against the bare forward of
+the same image, with the dense spectra, the exact TokenRank and the stable rank timed alone.
 """
 

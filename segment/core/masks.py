@@ -27,11 +27,14 @@ class MethodOutput:
             token grid or any resolution.
         labels: ``(B, h', w')`` integer region ids (multi-region methods), or ``None``.
         foreground: ``(B, K)`` bool, whether region id ``k`` is foreground; with ``labels``.
+        converged: ``(B,)`` bool, whether every iterative solve behind an image's heatmap
+            met its tolerance (TokenRank's power iteration); ``None`` for methods without one.
     """
 
     heatmap: Tensor
     labels: Tensor | None = None
     foreground: Tensor | None = None
+    converged: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.heatmap.dim() != 3:
@@ -45,11 +48,14 @@ def concat_outputs(parts: Sequence[MethodOutput]) -> MethodOutput:
     labels stacked, ``foreground`` padded with ``False`` to the widest part (ids a part
     does not use are background, as in any padded batch)."""
     heat = torch.cat([p.heatmap for p in parts])
+    conv = (None if any(p.converged is None for p in parts)
+            else torch.cat([p.converged for p in parts]))
     if any(p.labels is None for p in parts):
-        return MethodOutput(heatmap=heat)
+        return MethodOutput(heatmap=heat, converged=conv)
     k = max(p.foreground.shape[1] for p in parts)
     fg = torch.cat([F.pad(p.foreground, (0, k - p.foreground.shape[1])) for p in parts])
-    return MethodOutput(heatmap=heat, labels=torch.cat([p.labels for p in parts]), foreground=fg)
+    return MethodOutput(heatmap=heat, labels=torch.cat([p.labels for p in parts]), foreground=fg,
+                        converged=conv)
 
 
 def upsample(heatmap: Tensor, size: tuple[int, int]) -> Tensor:

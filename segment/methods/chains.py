@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+import contextvars
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from segment.core import markov
+from segment.core.masks import MethodOutput
 from segment.core.record import AttentionRecord, TokenLayout
 from segment.methods.base import (
     FUSE,
@@ -22,6 +24,11 @@ from segment.methods.base import (
 )
 
 _CHAIN_KINDS = ("grid", "joint")
+# the convergence flags of the power iterations of the TokenRank call in progress (one list
+# per call and thread, so that a method object shared by threads keeps no state)
+_CONVERGED: contextvars.ContextVar[list[Tensor] | None] = contextvars.ContextVar(
+    "tokenrank_converged", default=None
+)
 _DIRECTIONS = ("forward", "source")
 
 
@@ -197,11 +204,32 @@ class TokenRank(_ChainMethod):
                 f"{self.name}: need max_iter >= 1 and tol > 0, got {self.max_iter}, {self.tol}"
             )
 
+    def __call__(self, record: AttentionRecord) -> MethodOutput:
+        """The heatmap, with ``converged`` ``(B,)``: whether every power iteration behind
+        an image's heatmap (every head and layer it read) fell below ``tol`` within
+        ``max_iter`` steps. Slow-mixing heads at ``alpha`` near 1 may not (docs/markov.md)."""
+        flags: list[Tensor] = []
+        token = _CONVERGED.set(flags)
+        try:
+            out = super().__call__(record)
+        finally:
+            _CONVERGED.reset(token)
+        b = out.heatmap.shape[0]
+        conv = torch.ones(b, dtype=torch.bool, device=out.heatmap.device)
+        for f in flags:  # (B,) or (B, H')
+            conv &= f.reshape(b, -1).all(1).to(conv.device)
+        return replace(out, converged=conv)
+
     def _pi(self, chain: Tensor) -> Tensor:
-        return markov.tokenrank(
+        res = markov.tokenrank(
             chain, alpha=self.alpha, tol=float(self.tol), max_iter=int(self.max_iter),
             direction={"forward": "incoming"}.get(self.direction, self.direction),
+            return_info=True,
         )
+        flags = _CONVERGED.get()
+        if flags is not None:
+            flags.append(res.converged)
+        return res.pi
 
     def _run(self, v1: Tensor, chain: Tensor) -> Tensor:
         return self._pi(chain)

@@ -390,6 +390,7 @@ class Segmenter:
             heatmap=out.heatmap.detach().float().cpu(),
             labels=None if out.labels is None else out.labels.detach().cpu(),
             foreground=None if out.foreground is None else out.foreground.detach().cpu(),
+            converged=None if out.converged is None else out.converged.detach().cpu(),
         )
 
     def postprocess(self, out: MethodOutput, index: int, size: tuple[int, int]) -> Segmentation:

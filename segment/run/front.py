@@ -240,7 +240,14 @@ def run_value_problem(command: str, key: str, default: Any, value: Any) -> str |
     """Why ``value`` cannot be the run setting ``key`` of ``command`` (or ``None``): the
     whole-number settings of :data:`WHOLE_AT_LEAST` (``null`` where that is the default or
     means 0), and ``input`` (a path; empty is refused: an unset shell variable)."""
-    if command == "segment" and key == "input":
+    if command == "segment-diagnose" and key == "compare" and value is not None:
+        names = config_names("model")
+        if str(value) not in names:
+            return f"unknown model{suggest(str(value), names)}; choose one of: {', '.join(names)}"
+        return None
+    if command == "segment-diagnose" and key in ("alpha", "top") and _is_number(value):
+        return None if 0 < float(value) < 1 or (key == "top" and value == 1) else "expected a number in (0, 1)"
+    if command in ("segment", "segment-diagnose") and key == "input":
         if value is not None and str(value).strip() == "":
             return "empty; give a folder or an image, or leave out input= for the bundled examples"
         return None
@@ -273,7 +280,8 @@ def _compose(config_name: str, overrides: Sequence[str]) -> Any:
 
 # the config groups of every command (one place: the pre-check and --help read it)
 ALL_GROUPS = ("model", "method", "dataset", "experiment")
-COMMAND_GROUPS = {"segment": ("model", "method"), "segment-eval": ALL_GROUPS}
+COMMAND_GROUPS = {"segment": ("model", "method"), "segment-eval": ALL_GROUPS,
+                  "segment-diagnose": ("model",)}
 
 
 def check_overrides(command: str, config_name: str, args: Sequence[str]) -> Any:
@@ -490,6 +498,27 @@ _HELP = {
         settings="device=auto|cpu|cuda  batch_size=8  overwrite=false  retry_skipped=false  num_workers\n"
                  "  max_pixels  min_size  progress=true  label_upsampling=smooth|nearest\n"
                  "  render.{colormap,overlay_alpha,jpeg_quality,png_compression,thumb_size,fsync}",
+    ),
+    "segment-diagnose": dict(
+        what="attention diagnostics: every layer and head read as a Markov chain (entropy, "
+             "sinks, |lambda_2|, metastable states, exact TokenRank, stable rank), averaged "
+             "over images, written as diagnostics.json/.csv and report.html",
+        usage="segment-diagnose [input=DIR|FILE] [output=DIR] [model=NAME] [compare=NAME] "
+              "[KEY=VALUE ...]",
+        examples=[
+            ("segment-diagnose output=diag/ model.checkpoint=/path/dinov2_vits14.safetensors",
+             "offline: local weights, the bundled example photos"),
+            ("segment-diagnose input=photos/ output=diag/ model=dinov2_vits14 compare=dinov2_vits14_reg4",
+             "two models side by side (registers), with the per-measure difference"),
+        ],
+        required=[
+            ("input=DIR", "a folder (read recursively) or one image; default: the bundled examples"),
+            ("output=DIR", "the results folder; default: outputs/diagnose"),
+            ("model.checkpoint=PATH", "offline machines: local weights (.safetensors / torch state dict)"),
+            ("compare=NAME", "a second model (configs/model); compare_checkpoint=PATH its weights"),
+        ],
+        settings="device=auto|cpu|cuda  per_image=false  report=true  progress=true\n"
+                 "  alpha=0.99 (TokenRank damping)  threshold=0.9 (metastable moduli)  top=0.01",
     ),
     "segment-eval": dict(
         what="score segmentation methods on a benchmark (pixAcc, mIoU, mIoU_CA, mAP) from one "

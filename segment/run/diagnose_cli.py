@@ -1,0 +1,41 @@
+"""``segment-diagnose``: attention diagnostics as a report (Hydra entry point; the work is
+in :func:`segment.run.diagnose.run_diagnose`).
+
+:func:`segment.run.front.run_command` checks the command line and the output folder before
+Hydra starts, and maps the outcome to the exit code (0 done, 1 no image could be read, 2
+unusable input or settings, 130 interrupted).
+"""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from segment.run import front
+
+CONFIG_PATH = "pkg://segment.configs"
+front.register_help_resolver()  # ${segment_help:segment-diagnose} in hydra.help.template
+
+
+def run(cfg: DictConfig) -> int:
+    """Diagnose the attention of ``cfg.model`` on ``cfg.input``; returns the exit code."""
+    from segment.run.diagnose import run_diagnose
+
+    return run_diagnose(cfg)
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="diagnose")
+def _main(cfg: DictConfig) -> int:
+    front.note_run_dir()
+    code = run(cfg)
+    if code:  # hydra.main drops the task's return value; exit here so the shell sees it
+        raise SystemExit(code)
+    return code
+
+
+def main() -> None:
+    raise SystemExit(front.run_command("segment-diagnose", "diagnose", _main))
+
+
+if __name__ == "__main__":
+    main()
