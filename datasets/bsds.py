@@ -112,6 +112,9 @@ class BSDS500(SegmentationDataset):
 
     task = "regions"
     num_classes = 0  # regions are scored against human segmentations, not classes
+    # settings that only choose the photos (names carry the split): segment-eval's metric
+    # cache is shared by runs over different splits of the same output
+    selection_keys = ("split",)
 
     def __init__(
         self,

@@ -852,14 +852,21 @@ def _output_dir(cfg: DictConfig) -> Path:
         raise ConfigError("no output folder: pass output=DIR (Hydra's run dir exists only under segment-eval)") from None
 
 
-def fingerprint(cfg: DictConfig) -> str:
+def fingerprint(cfg: DictConfig, selection: Sequence[str] = ()) -> str:
     """What decides the per-image numbers besides the method: model, data set, post-processing,
     package version, :data:`CACHE_VERSION` and the source of the backbone, data set and
-    scoring modules."""
+    scoring modules.
+
+    ``selection``: data set settings that only choose which items are read, each item's name
+    saying where it comes from (the data set's ``selection_keys``, e.g. BSDS500's ``split``:
+    ``val/241048``); they are left out, so that runs of the same output over splits share the
+    per-image results (like ``limit``)."""
     model = OmegaConf.to_container(cfg.model, resolve=True)
     if isinstance(model, dict):
         model = {k: v for k, v in model.items() if k != "device"}
     data = OmegaConf.to_container(cfg.dataset, resolve=True)
+    if isinstance(data, dict):
+        data = {k: v for k, v in data.items() if k not in set(selection)}
     targets = [str(node.get("_target_", "")).rsplit(".", 1)[0] for node in (cfg.model, cfg.dataset)]
     return config_hash({
         "model": model, "dataset": data, "mask_at": cfg.get("mask_at", "image"),
@@ -955,7 +962,8 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
         raise ConfigError(f"{type(dataset).__name__}: item names are not unique")
 
     cache_root = out_dir / "cache"
-    cache = MetricCache(cache_root / fingerprint(cfg), enabled=bool(cfg.get("cache", True)))
+    cache = MetricCache(cache_root / fingerprint(cfg, getattr(dataset, "selection_keys", ())),
+                        enabled=bool(cfg.get("cache", True)))
     mine = dist.shard(indices, ctx)
     keys = [s.key for s in specs]
     states: dict[int, dict[str, State]] = {}

@@ -866,6 +866,18 @@ def test_bsds_end_to_end_region_metrics_and_orientation(tmp_path, quantile_metho
     assert panel.shape[1] == 3 * (42 + 4)  # image | labels | human 1
     # the rerun reads every image from the metric cache
     assert run_eval(cfg) == EXIT_OK and len(counting) == 1 and read_rows(out) == rows
+    # the split only selects photos (names carry it): split=all in the same output reuses val
+    import shutil as _sh
+
+    _sh.copytree(root / "images" / "val", root / "images" / "train")
+    _sh.copytree(root / "groundTruth" / "val", root / "groundTruth" / "train")
+    cfg_all = cfg_for(*TINY, "dataset=bsds", f"dataset.root={root}", "dataset.split=all", "model.image_size=[28,42]",
+                      "model.match_orientation=true", "batch_size=4", f"output={out}", "include_default=false",
+                      "+methods.quant._target_=segment_test_methods.QuantileRegions",
+                      "+methods.km={config:kmeans,k:3}", "panels=0", "bootstrap=0")
+    assert run_eval(cfg_all) == EXIT_OK
+    assert len(counting) == 2 and counting[1].batches == [2, 2]  # only the 4 train photos are scored
+    assert [r["images"] for r in read_rows(out)] == [8, 8]
     # a heatmap-only method cannot be scored against human segmentations
     cfg = cfg_for(*TINY, "dataset=bsds", f"dataset.root={root}", f"output={tmp_path / 'o2'}")
     assert run_eval(cfg) == EXIT_BAD_INPUT
