@@ -897,3 +897,21 @@ def test_bsds_bad_ground_truth_is_one_line(tmp_path, quantile_methods, capsys):
     assert run_eval(cfg) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "c.mat: expected the ground truth of" in err[0]
+
+
+def test_bsds_scores_the_labels_segment_writes():
+    """score_regions reads the label map `segment` writes for a photo (outputs.postprocess,
+    default label_upsampling) at the human segmentations' size."""
+    from segment.eval.metrics import region_state
+    from segment.run.outputs import postprocess
+
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 5, (2, 4, 6), generator=g)
+    out = MethodOutput(heatmap=torch.rand(2, 4, 6, generator=g), labels=labels,
+                       foreground=torch.tensor([[True, False, True, False, True]] * 2))
+    gts = [torch.randint(1, 4, (3, 21, 31), generator=g), torch.randint(1, 3, (2, 31, 21), generator=g)]
+    states = runner.score_regions(out, gts, "x")
+    for i, t in enumerate(gts):
+        written = postprocess(out, i, tuple(t.shape[-2:])).labels
+        assert np.array_equal(runner.region_labels(out, i, tuple(t.shape[-2:])).numpy(), written)
+        assert states[i] == region_state(written, t.numpy())
