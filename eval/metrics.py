@@ -25,7 +25,21 @@ Multi-class (DiffSeg protocol): per image, Hungarian matching (scipy
 ground-truth classes; TP / FP / FN summed over the set (pixels of unmatched segments count
 as FN of their true class only); ``ACC = sum TP / sum labeled`` (``pixAcc`` in the tables),
 ``mIoU = nanmean_c TP_c / (TP_c + FP_c + FN_c)``, the per-class IoU, and the mean number of
-predicted segments per image (one-to-one matching penalises too few and too many).
+predicted segments per image (one-to-one matching penalises too few and too many), their
+median, and the share of pixels in regions under 1% of the image (:func:`region_sizes`).
+
+Regions against several human segmentations (BSDS500, protocol §4b), exactly as the official
+``bench/benchmarks/regionBench.m`` (``evaluation_reg_image.m``, ``match_segmentations*.m``,
+``compare_segmentations.m``) computes them, from one contingency table per annotator
+(:func:`region_state`):
+
+- **Covering** of the human segmentations by the prediction: for every region ``R`` of every
+  annotator, its best IoU with a predicted region, weighted by ``|R|``; summed over all regions
+  of all annotators of all images and divided by the summed areas (pooled, not a mean of
+  per-image values);
+- **PRI**: the Rand index of (prediction, annotator ``k``) from the table (Rand's eq. 2.2, as
+  ``compare_segmentations.m``), averaged over ``k``, then over the images;
+- **VI**: ``H(S) + H(G_k) - 2 I(S, G_k)`` in bits, averaged the same way (lower is better).
 """
 
 from __future__ import annotations
@@ -558,6 +572,8 @@ class MulticlassScores:
         iou: per-class IoU (NaN where ``TP + FP + FN = 0``).
         images: number of images scored.
         regions: mean number of predicted segments per image.
+        regions_median: median number of predicted segments per image.
+        small_share: fraction of all pixels that lie in segments under 1% of their image.
     """
 
     ACC: float
@@ -565,10 +581,15 @@ class MulticlassScores:
     iou: tuple[float, ...]
     images: int
     regions: float = 0.0
+    regions_median: float = 0.0
+    small_share: float = 0.0
 
     def percent(self) -> dict[str, float | int]:
-        """``pixAcc`` (= ``ACC``) and ``mIoU`` in percent, ``regions`` per image, ``images``."""
+        """``pixAcc`` (= ``ACC``) and ``mIoU`` in percent, ``regions`` per image (mean),
+        ``regions_median`` (median per image), ``small_px`` (percent of the pixels in regions
+        under 1% of their image), ``images``."""
         return {"pixAcc": 100.0 * self.ACC, "mIoU": 100.0 * self.mIoU, "regions": self.regions,
+                "regions_median": self.regions_median, "small_px": 100.0 * self.small_share,
                 "images": self.images}
 
 
@@ -581,6 +602,10 @@ class MulticlassState:
         labeled: pixels with a valid ground-truth class.
         images: number of images.
         regions: predicted segments, summed over the images.
+        region_counts: the predicted segments of every image (concatenated by ``+``, for the
+            median).
+        small_px: pixels in segments under 1% of their image (:func:`region_sizes`), summed.
+        pixels: all pixels of the predictions, summed.
     """
 
     tp: list[int]
@@ -589,6 +614,9 @@ class MulticlassState:
     labeled: int = 0
     images: int = 0
     regions: int = 0
+    region_counts: list[int] = field(default_factory=list)
+    small_px: int = 0
+    pixels: int = 0
 
     @classmethod
     def zero(cls, num_classes: int) -> MulticlassState:
@@ -606,6 +634,9 @@ class MulticlassState:
             labeled=self.labeled + other.labeled,
             images=self.images + other.images,
             regions=self.regions + other.regions,
+            region_counts=[*self.region_counts, *other.region_counts],
+            small_px=self.small_px + other.small_px,
+            pixels=self.pixels + other.pixels,
         )
 
     def scores(self) -> MulticlassScores:
@@ -620,12 +651,15 @@ class MulticlassState:
             iou=tuple(float(x) for x in iou),
             images=self.images,
             regions=self.regions / self.images if self.images else 0.0,
+            regions_median=median_count(self.region_counts),
+            small_share=self.small_px / self.pixels if self.pixels else 0.0,
         )
 
     def to_dict(self) -> dict:
         return {
             "kind": "multiclass", "tp": list(self.tp), "fp": list(self.fp), "fn": list(self.fn),
             "labeled": self.labeled, "images": self.images, "regions": self.regions,
+            "region_counts": list(self.region_counts), "small_px": self.small_px, "pixels": self.pixels,
         }
 
     @classmethod
@@ -635,6 +669,8 @@ class MulticlassState:
         return cls(
             tp=[int(x) for x in d["tp"]], fp=[int(x) for x in d["fp"]], fn=[int(x) for x in d["fn"]],
             labeled=int(d["labeled"]), images=int(d["images"]), regions=int(d["regions"]),
+            region_counts=[int(x) for x in d["region_counts"]], small_px=int(d["small_px"]),
+            pixels=int(d["pixels"]),
         )
 
 
@@ -704,7 +740,8 @@ def hungarian_state(
     class absent from the image (its pixels are then that class's FP), and with ``S > K``
     every class is (``camvid-dev/REFERENCE.md``: "the 11 classes present or not"); which
     absent class takes such a segment is the solver's tie-break.
-    ``regions`` counts the distinct segment ids of the whole prediction.
+    ``regions`` counts the distinct segment ids of the whole prediction; ``small_px`` the
+    pixels of those under 1% of the image (:func:`small_pixels`).
 
     Args:
         pred: ``(H, W)`` non-negative integer segment ids (any ids, any count).
@@ -718,15 +755,253 @@ def hungarian_state(
     fn = hist.sum(1) - tp
     fp = np.zeros(k, dtype=np.int64)
     fp[rows] = hist[:, cols].sum(0) - hist[rows, cols]
+    areas = np.bincount(m.inverse, minlength=len(segs))
     return MulticlassState(
         tp=tp.tolist(), fp=fp.tolist(), fn=fn.tolist(), labeled=int(valid.sum()), images=1,
-        regions=len(segs),
+        regions=len(segs), region_counts=[len(segs)], small_px=small_pixels(areas),
+        pixels=int(areas.sum()),
+    )
+
+
+# ---------------------------------------------------------------------------- regions (BSDS)
+
+SMALL_REGION = 0.01  # a region under this fraction of its image is "small" (small_px)
+
+
+def median_count(counts: Sequence[int]) -> float:
+    """The median of per-image counts (0 without images)."""
+    return float(np.median(np.asarray(counts, dtype=np.float64))) if len(counts) else 0.0
+
+
+def small_pixels(areas: np.ndarray, fraction: float = SMALL_REGION) -> int:
+    """Pixels in regions whose area is under ``fraction`` of the image (``areas``: the pixel
+    count of every region of one image)."""
+    areas = np.asarray(areas, dtype=np.int64)
+    return int(areas[areas < fraction * areas.sum()].sum())
+
+
+def _contiguous(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, inverse)``: the distinct values of ``x`` (ascending) and every element's index
+    among them (``0 .. len(ids) - 1``)."""
+    x = np.asarray(x, dtype=np.int64).ravel()
+    lo = int(x.min())
+    if int(x.max()) - lo < 4 * x.size:  # small ids: a lookup table (no sort)
+        present = np.bincount(x - lo) > 0
+        ids = np.flatnonzero(present) + lo
+        lut = np.cumsum(present) - 1
+        return ids, lut[x - lo]
+    ids, inv = np.unique(x, return_inverse=True)
+    return ids, inv.ravel()
+
+
+def contingency(seg: np.ndarray, gt: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The contingency table of two label maps of the same shape.
+
+    Returns:
+        ``(n, seg_ids, gt_ids)``: ``n[i, j]`` counts the pixels with ``seg == seg_ids[i]`` and
+        ``gt == gt_ids[j]`` (int64, only the ids present, in ascending order).
+    """
+    seg = np.asarray(seg)
+    gt = np.asarray(gt)
+    if seg.shape != gt.shape:
+        raise ValueError(f"segmentation and ground truth differ in size: {seg.shape} vs {gt.shape}")
+    s_ids, s = _contiguous(seg)
+    g_ids, g = _contiguous(gt)
+    n = np.bincount(s * len(g_ids) + g, minlength=len(s_ids) * len(g_ids))
+    return n.reshape(len(s_ids), len(g_ids)), s_ids, g_ids
+
+
+def rand_index(n: np.ndarray) -> float:
+    """The Rand index of two labellings from their contingency table ``n``, as the official
+    ``compare_segmentations.m`` computes it (Rand 1971, eq. 2.2):
+    ``1 - (sum_u a_u^2 / 2 + sum_v b_v^2 / 2 - sum_uv n_uv^2) / (N (N - 1) / 2)``, the fraction
+    of the ``N choose 2`` pixel pairs on which the two agree (same region in both or in
+    neither). 1 for fewer than two pixels (no pair disagrees)."""
+    n = np.asarray(n, dtype=np.float64)
+    total = n.sum()
+    if total < 2:
+        return 1.0
+    a, b = n.sum(1), n.sum(0)
+    disagree = (a @ a) / 2.0 + (b @ b) / 2.0 - (n * n).sum()
+    return float(1.0 - disagree / (total * (total - 1) / 2.0))
+
+
+def _entropy_bits(p: np.ndarray) -> float:
+    p = p[p > 0]
+    return float(-(p * np.log2(p)).sum())
+
+
+def variation_of_information(n: np.ndarray) -> float:
+    """``H(S) + H(G) - 2 I(S, G)`` in bits from the contingency table ``n`` (the official
+    ``compare_segmentations.m``); 0 when the two labellings are equal up to renaming."""
+    n = np.asarray(n, dtype=np.float64)
+    joint = n / n.sum()
+    ps, pg = joint.sum(1), joint.sum(0)
+    nz = joint > 0
+    mi = float((joint[nz] * np.log2(joint[nz] / np.outer(ps, pg)[nz])).sum())
+    return _entropy_bits(ps) + _entropy_bits(pg) - 2.0 * mi
+
+
+@dataclass(frozen=True)
+class RegionScores:
+    """Scores of a prediction against several human segmentations per image (fractions;
+    ``VI`` in bits).
+
+    Attributes:
+        Covering: pooled segmentation covering of the human regions by the predicted ones.
+        PRI: probabilistic Rand index (mean over annotators, then images).
+        VI: variation of information in bits (mean over annotators, then images; lower is
+            better).
+        images: number of images scored.
+        regions: mean number of predicted regions per image.
+        regions_median: median number of predicted regions per image.
+        small_share: fraction of all pixels in predicted regions under 1% of their image.
+    """
+
+    Covering: float
+    PRI: float
+    VI: float
+    images: int
+    regions: float = 0.0
+    regions_median: float = 0.0
+    small_share: float = 0.0
+
+    def percent(self) -> dict[str, float | int]:
+        """The table's values: ``Covering``, ``PRI`` and ``VI`` as the field writes them
+        (fractions, bits), ``regions_median`` and ``regions`` (mean) per image, ``small_px``
+        in percent, ``images``."""
+        return {"Covering": self.Covering, "PRI": self.PRI, "VI": self.VI,
+                "regions_median": self.regions_median, "regions": self.regions,
+                "small_px": 100.0 * self.small_share, "images": self.images}
+
+
+@dataclass
+class RegionState:
+    """Additive sums of the region metrics over a set of images.
+
+    Attributes:
+        covering_num: ``sum |R| * max_S IoU(R, S)`` over the regions ``R`` of every annotator.
+        covering_den: ``sum |R|`` over the same regions (pixels times annotators).
+        pri_sum: sum over images of the annotator-mean Rand index.
+        vi_sum: sum over images of the annotator-mean variation of information (bits).
+        images: number of images.
+        region_counts: predicted regions of every image (concatenated by ``+``).
+        small_px: pixels in predicted regions under 1% of their image, summed.
+        pixels: pixels of the predictions, summed.
+    """
+
+    covering_num: float = 0.0
+    covering_den: int = 0
+    pri_sum: float = 0.0
+    vi_sum: float = 0.0
+    images: int = 0
+    region_counts: list[int] = field(default_factory=list)
+    small_px: int = 0
+    pixels: int = 0
+
+    def __add__(self, other: RegionState) -> RegionState:
+        if not isinstance(other, RegionState):
+            return NotImplemented
+        return RegionState(
+            covering_num=self.covering_num + other.covering_num,
+            covering_den=self.covering_den + other.covering_den,
+            pri_sum=self.pri_sum + other.pri_sum,
+            vi_sum=self.vi_sum + other.vi_sum,
+            images=self.images + other.images,
+            region_counts=[*self.region_counts, *other.region_counts],
+            small_px=self.small_px + other.small_px,
+            pixels=self.pixels + other.pixels,
+        )
+
+    def scores(self) -> RegionScores:
+        n = self.images
+        return RegionScores(
+            Covering=self.covering_num / self.covering_den if self.covering_den else 0.0,
+            PRI=self.pri_sum / n if n else 0.0,
+            VI=self.vi_sum / n if n else 0.0,
+            images=n,
+            regions=float(np.sum(self.region_counts)) / n if n else 0.0,
+            regions_median=median_count(self.region_counts),
+            small_share=self.small_px / self.pixels if self.pixels else 0.0,
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": "regions", "covering_num": self.covering_num, "covering_den": self.covering_den,
+            "pri_sum": self.pri_sum, "vi_sum": self.vi_sum, "images": self.images,
+            "region_counts": list(self.region_counts), "small_px": self.small_px,
+            "pixels": self.pixels,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RegionState:
+        if d.get("kind") != "regions":
+            raise ValueError(f"not a region metric state: {d!r}")
+        return cls(
+            covering_num=float(d["covering_num"]), covering_den=int(d["covering_den"]),
+            pri_sum=float(d["pri_sum"]), vi_sum=float(d["vi_sum"]), images=int(d["images"]),
+            region_counts=[int(x) for x in d["region_counts"]], small_px=int(d["small_px"]),
+            pixels=int(d["pixels"]),
+        )
+
+
+def region_state(pred: Tensor | np.ndarray, gts: Tensor | np.ndarray | Sequence[np.ndarray]) -> RegionState:
+    """One image's covering sums, Rand index and VI against its human segmentations, as the
+    official ``regionBench`` computes them.
+
+    Every distinct value of ``pred`` is one region (the official code takes a label map
+    ``1 .. S``; any ids are renamed so). Per annotator ``k``, the contingency table ``n`` of
+    (prediction, ``G_k``) gives:
+
+    - covering: ``IoU(S_i, R_j) = n_ij / (|S_i| + |R_j| - n_ij)``; each human region ``R_j``
+      (ids ``>= 1``: the official ``match_segmentations.m`` leaves id 0 out, though its
+      pixels count in the predicted regions' areas) adds ``|R_j| max_i IoU`` to
+      ``covering_num`` and ``|R_j|`` to ``covering_den``;
+    - :func:`rand_index` and :func:`variation_of_information` of ``n``, averaged over the
+      annotators (``match_segmentations2.m``).
+
+    Args:
+        pred: ``(H, W)`` integer region ids.
+        gts: ``(K, H, W)`` human segmentations (integer region ids, the official ones from 1),
+            or a sequence of ``K`` such maps.
+    """
+    p = _np(pred)
+    if isinstance(gts, (list, tuple)):
+        gts = np.stack([_np(g) for g in gts])
+    g = _np(gts)
+    if g.ndim == p.ndim:
+        g = g[None]
+    if p.ndim != 2 or g.ndim != 3 or g.shape[1:] != p.shape:
+        raise ValueError(
+            f"expected an (H, W) prediction and (K, H, W) human segmentations, got {p.shape} and {g.shape}"
+        )
+    if g.shape[0] < 1:
+        raise ValueError("no human segmentation to score against")
+    s_ids, s = _contiguous(p)
+    areas_s = np.bincount(s, minlength=len(s_ids)).astype(np.float64)
+    num, den, ri, vi = 0.0, 0, 0.0, 0.0
+    for gk in g:
+        g_ids, gi = _contiguous(gk)
+        n = np.bincount(s * len(g_ids) + gi, minlength=len(s_ids) * len(g_ids)).reshape(len(s_ids), len(g_ids))
+        nf = n.astype(np.float64)
+        areas_g = n.sum(0)
+        iou = nf / (areas_s[:, None] + areas_g[None, :] - nf)
+        region = g_ids >= 1
+        num += float((areas_g * iou.max(0))[region].sum())
+        den += int(areas_g[region].sum())
+        ri += rand_index(n)
+        vi += variation_of_information(n)
+    k = g.shape[0]
+    return RegionState(
+        covering_num=num, covering_den=den, pri_sum=ri / k, vi_sum=vi / k, images=1,
+        region_counts=[len(s_ids)], small_px=small_pixels(areas_s.astype(np.int64)),
+        pixels=int(p.size),
     )
 
 
 # ---------------------------------------------------------------------------- helpers
 
-State = BinaryState | MulticlassState
+State = BinaryState | MulticlassState | RegionState
 
 
 def state_from_dict(d: dict) -> State:
@@ -735,6 +1010,8 @@ def state_from_dict(d: dict) -> State:
         return BinaryState.from_dict(d)
     if kind == "multiclass":
         return MulticlassState.from_dict(d)
+    if kind == "regions":
+        return RegionState.from_dict(d)
     raise ValueError(f"unknown metric state kind {kind!r}")
 
 
@@ -753,7 +1030,8 @@ def _additive(states: Sequence[State]) -> tuple[str, np.ndarray]:
     """``(kind, V)``: the states' additive sums, one float64 row per state.
 
     Binary rows: ``[correct, labeled, inter_bg, inter_fg, union_bg, union_fg, ap_sum,
-    images, iou_sum, acc_sum, prec_sum (255), rec_sum (255), f_sum (255)]``; multi-class rows: ``[tp (K), fp (K), fn (K), labeled, images]``. Counts stay
+    images, iou_sum, acc_sum, prec_sum (255), rec_sum (255), f_sum (255)]``; multi-class rows: ``[tp (K), fp (K), fn (K), labeled, images]``;
+    region rows: ``[covering_num, covering_den, pri_sum, vi_sum, images]``. Counts stay
     exact in float64 (integers below 2^53).
     """
     if all(isinstance(s, BinaryState) for s in states):
@@ -766,7 +1044,10 @@ def _additive(states: Sequence[State]) -> tuple[str, np.ndarray]:
             raise ValueError(f"multi-class states of different class counts: {sorted(k)}")
         return "multiclass", np.array([[*s.tp, *s.fp, *s.fn, s.labeled, s.images] for s in states],
                                       dtype=np.float64)
-    raise ValueError("states to resample must all be binary or all multi-class")
+    if all(isinstance(s, RegionState) for s in states):
+        return "regions", np.array([[s.covering_num, s.covering_den, s.pri_sum, s.vi_sum, s.images]
+                                    for s in states], dtype=np.float64)
+    raise ValueError("states to resample must all be binary or all multi-class or all regions (one kind)")
 
 
 def _headline(kind: str, sums: np.ndarray) -> dict[str, float]:
@@ -780,6 +1061,10 @@ def _headline(kind: str, sums: np.ndarray) -> dict[str, float]:
                          f_sum=sums[10 + 2 * k: 10 + 3 * k]).scores()
         return {"pixAcc": sc.pixAcc, "mIoU": sc.mIoU, "mAP": sc.mAP, "fgIoU": sc.fgIoU,
                 "acc": sc.acc, "maxF": sc.maxF, "maxF_img": sc.maxF_img}
+    if kind == "regions":
+        num, den, pri, vi, n = sums.tolist()
+        sc = RegionState(covering_num=num, covering_den=den, pri_sum=pri, vi_sum=vi, images=n).scores()
+        return {"Covering": sc.Covering, "PRI": sc.PRI, "VI": sc.VI}
     k = (sums.shape[-1] - 2) // 3
     row = sums.tolist()
     sc = MulticlassState(tp=row[:k], fp=row[k: 2 * k], fn=row[2 * k: 3 * k], labeled=row[3 * k],
@@ -794,7 +1079,8 @@ class Bootstrap:
     The images are drawn with replacement ``reps`` times (the same draws for every method,
     so differences between methods are paired); each draw's scores are the ``scores()`` of
     its summed additive state, exactly as the whole set's are (sums first, then ratios:
-    pixAcc and mIoU over summed counts, mAP as the mean of per-image APs).
+    pixAcc and mIoU over summed counts, mAP as the mean of per-image APs, Covering as the
+    pooled ratio of the resampled images' sums, PRI and VI as their means).
 
     Attributes:
         level: the interval's coverage, e.g. ``0.95``.

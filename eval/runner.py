@@ -13,7 +13,11 @@ Flow (:func:`run_eval`)::
 Binary sets report the protocol's scores (at the evaluation size, ``mask_at``) and the peer
 metrics of the saliency literature (fgIoU, acc, maxF, maxF_img: per-image means, scored at
 the ground truth's original resolution with the maps ``segment`` writes there,
-:func:`peer_maps`; definitions in :mod:`segment.eval.metrics`).
+:func:`peer_maps`; definitions in :mod:`segment.eval.metrics`). Multi-class sets report the
+DiffSeg protocol's pixAcc / mIoU / per-class IoU; sets of human segmentations (task
+``regions``, BSDS500) Segmentation Covering, PRI and VI of the label maps ``segment`` writes
+at the photo's size (:func:`score_regions`). Both kinds of region sets also give the mean and
+median number of regions per image and the share of pixels in regions under 1% of the image.
 
 Methods (``cfg.methods``), each scored from the same attention record:
 
@@ -65,12 +69,14 @@ from segment.eval.metrics import (
     Bootstrap,
     MulticlassState,
     PeerCurves,
+    RegionState,
     State,
     binary_states,
     bootstrap,
     hungarian_state,
     matched_classes,
     peer_curves,
+    region_state,
     state_from_dict,
     total,
 )
@@ -102,13 +108,25 @@ log = logging.getLogger(__name__)
 
 # protocol columns, then the peer metrics (per-image means at the original resolution)
 BINARY_COLUMNS = ("pixAcc", "mIoU", "mIoU_CA", "mAP", "fgIoU", "acc", "maxF", "maxF_img")
-MULTICLASS_COLUMNS = ("pixAcc", "mIoU", "regions")  # + per-class IoU; regions: mean per image
-# the scores that get bootstrap intervals (results.json: all; CSV: INTERVAL_CSV; Markdown: mIoU)
+# + per-class IoU; regions: mean per image, regions_median: median per image, small_px: percent
+# of the pixels in regions under 1% of their image
+MULTICLASS_COLUMNS = ("pixAcc", "mIoU", "regions", "regions_median", "small_px")
+# human segmentations (BSDS500): Covering and PRI as fractions, VI in bits (as the field writes them)
+REGION_COLUMNS = ("Covering", "PRI", "VI", "regions_median", "regions", "small_px")
+COLUMNS = {"binary": BINARY_COLUMNS, "multiclass": MULTICLASS_COLUMNS, "regions": REGION_COLUMNS}
+# the scores that get bootstrap intervals (results.json: all; CSV: INTERVAL_CSV; Markdown:
+# INTERVAL_MD)
 INTERVAL_SCORES = {"binary": ("pixAcc", "mIoU", "mAP", "fgIoU", "acc", "maxF", "maxF_img"),
-                   "multiclass": ("pixAcc", "mIoU")}
-INTERVAL_CSV = {"binary": ("mIoU", "mAP", "fgIoU", "maxF"), "multiclass": ("mIoU",)}
+                   "multiclass": ("pixAcc", "mIoU"), "regions": ("Covering", "PRI", "VI")}
+INTERVAL_CSV = {"binary": ("mIoU", "mAP", "fgIoU", "maxF"), "multiclass": ("mIoU",),
+                "regions": ("Covering", "PRI", "VI")}
+INTERVAL_MD = {"binary": ("mIoU",), "multiclass": ("mIoU",), "regions": ("Covering", "PRI", "VI")}
+# how the scores of a task are written: percent (x 100, 4 decimals in JSON, 2 in Markdown) or
+# as they are (fractions and bits: 6 decimals in JSON, 3 in Markdown)
+PERCENT = {"binary": True, "multiclass": True, "regions": False}
+_MD_FORMAT = {"Covering": ".3f", "PRI": ".3f", "VI": ".3f", "regions_median": ".1f"}
 # bump when a change outside the hashed modules (see fingerprint, method_key) changes scores
-CACHE_VERSION = 5
+CACHE_VERSION = 6  # 6: multi-class states hold region counts and small-region pixels
 
 
 class ConfigError(ValueError):
@@ -519,16 +537,34 @@ def score_binary_many(outs: Sequence[MethodOutput], targets: list[Tensor], mask_
 
 
 def score_multiclass(out: MethodOutput, targets: list[Tensor], num_classes: int, label: str) -> list[MulticlassState]:
-    if out.labels is None:
-        raise ConfigError(
-            f"method {label!r} returns only a heatmap; multi-class sets need a region method"
-            " (MethodOutput.labels), e.g. the region-growing methods"
-        )
+    _need_labels(out, label, "multi-class sets")
     states = []
     for i, t in enumerate(targets):
         lab = labels_at(out.labels[i : i + 1], tuple(t.shape))[0].cpu()
         states.append(hungarian_state(lab, t, num_classes))
     return states
+
+
+def _need_labels(out: MethodOutput, label: str, what: str) -> None:
+    if out.labels is None:
+        raise ConfigError(
+            f"method {label!r} returns only a heatmap; {what} need a region method"
+            " (MethodOutput.labels), e.g. the region-growing methods"
+        )
+
+
+def region_labels(out: MethodOutput, i: int, size: tuple[int, int]) -> Tensor:
+    """Image ``i``'s label map at ``size`` exactly as ``segment`` writes it (``labels/``, with
+    the default ``label_upsampling``: ``smooth``, :func:`segment.core.masks.labels_at`)."""
+    return labels_at(out.labels[i : i + 1], size, label_upsampling_setting(None))[0]
+
+
+def score_regions(out: MethodOutput, targets: list[Tensor], label: str) -> list[RegionState]:
+    """Per image :func:`segment.eval.metrics.region_state` of the method's label map, at the
+    size of the human segmentations (``targets[i]``: ``(K, H, W)``) as ``segment`` writes it
+    (:func:`region_labels`), against every one of them."""
+    _need_labels(out, label, "sets of human segmentations")
+    return [region_state(region_labels(out, i, tuple(t.shape[-2:])).cpu(), t) for i, t in enumerate(targets)]
 
 
 # ---------------------------------------------------------------------------------------
@@ -578,6 +614,14 @@ def colour_classes(cls: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
+def colour_regions(labels: np.ndarray | Tensor) -> np.ndarray:
+    """``(H, W)`` region ids -> RGB, the regions in :func:`class_palette` colours in the order of
+    their ids."""
+    lab = labels.cpu().numpy() if isinstance(labels, Tensor) else np.asarray(labels)
+    ids, inv = np.unique(lab, return_inverse=True)
+    return colour_classes(inv.reshape(lab.shape), len(ids))
+
+
 def _text_strip(width: int, items: list[tuple[int, str]], height: int = 18,
                 swatches: np.ndarray | None = None) -> np.ndarray:
     """A white strip with ``(x, text)`` labels (and a colour swatch before each, if given)."""
@@ -611,7 +655,8 @@ def _legend(width: int, names: list[str]) -> list[np.ndarray]:
 def write_panel(path: Path, image, target: np.ndarray, rows: list[tuple[str, list[np.ndarray]]],
                 columns: Sequence[str] | None = None, class_names: Sequence[str] | None = None) -> None:
     """One PNG: column headers, then per method a row ``image | heatmap | mask | ground
-    truth`` (labelled).
+    truth`` (labelled); ``target`` is a bool mask, a class map (with ``class_names``) or an
+    ``(H, W, 3)`` uint8 image shown as it is.
 
     Multi-class sets (``class_names`` given): rows are ``image | labels | ground truth``, the
     ground truth in :func:`class_palette` colours (ignored pixels black) above a colour key;
@@ -620,9 +665,11 @@ def write_panel(path: Path, image, target: np.ndarray, rows: list[tuple[str, lis
     import cv2
     from PIL import Image
 
-    h, w = target.shape
+    h, w = target.shape[:2]
     img = np.asarray(image.convert("RGB").resize((w, h), Image.BILINEAR))
-    if class_names is not None:
+    if target.ndim == 3 and target.shape[2] == 3 and target.dtype == np.uint8:
+        gt = target  # already in colour (e.g. a human segmentation, colour_regions)
+    elif class_names is not None:
         gt = colour_classes(target.astype(np.int64), len(class_names))
     elif target.dtype == bool:
         gt = _gray(target)
@@ -659,16 +706,20 @@ def write_panel(path: Path, image, target: np.ndarray, rows: list[tuple[str, lis
 
 @dataclass
 class Results:
-    """The table: one row per method, scores in percent.
+    """The table: one row per method, scores in percent (binary, multi-class) or as the
+    field writes them (``regions``: Covering and PRI as fractions, VI in bits).
 
-    Multi-class rows also hold ``regions`` (mean predicted segments per image) and ``iou``
-    (class name -> IoU in percent, ``None`` for a class never seen nor predicted), shown as
-    one column per class in the CSV (``IoU_<name>``) and Markdown tables.
+    Multi-class rows also hold ``regions`` (mean predicted segments per image),
+    ``regions_median``, ``small_px`` (percent of the pixels in segments under 1% of their
+    image) and ``iou`` (class name -> IoU in percent, ``None`` for a class never seen nor
+    predicted), shown as one column per class in the CSV (``IoU_<name>``) and Markdown tables.
+    Region rows (BSDS500) hold ``Covering``, ``PRI``, ``VI``, ``regions_median``, ``regions``
+    and ``small_px``.
 
     With bootstrap intervals (:func:`add_intervals`) every row holds ``ci95`` (score ->
     ``[low, high]``) and every row after the first ``delta`` (``{"vs": first row, score:
     [difference, low, high]}``, paired over the same resampled images); the CSV gets them
-    for mIoU (and mAP) and the Markdown for mIoU.
+    for :data:`INTERVAL_CSV` and the Markdown for :data:`INTERVAL_MD`.
     """
 
     task: str
@@ -677,7 +728,11 @@ class Results:
 
     @property
     def columns(self) -> tuple[str, ...]:
-        return BINARY_COLUMNS if self.task == "binary" else MULTICLASS_COLUMNS
+        return COLUMNS[self.task]
+
+    @property
+    def _num(self) -> str:
+        return ".2f" if PERCENT[self.task] else ".3f"
 
     @property
     def _intervals(self) -> bool:
@@ -687,25 +742,27 @@ class Results:
         iou = r.get("iou") or {}
         return ["" if iou.get(c) is None else f"{iou[c]:.2f}" for c in self.class_names]
 
-    @staticmethod
-    def _delta_text(r: dict[str, Any], score: str) -> str:
+    def _delta_text(self, r: dict[str, Any], score: str) -> str:
         d = (r.get("delta") or {}).get(score)
-        return "" if d is None else f"{d[0]:+.2f} ({d[1]:+.2f}, {d[2]:+.2f})"
+        f = "+" + self._num
+        return "" if d is None else f"{d[0]:{f}} ({d[1]:{f}}, {d[2]:{f}})"
 
     def markdown(self) -> str:
         extra: list[str] = []
-        if self._intervals:
-            extra = ["mIoU 95% CI"]
-            if len(self.rows) > 1:
-                extra.append(f"ΔmIoU vs {self.rows[0]['method']} (95% CI)")
+        scores = INTERVAL_MD[self.task] if self._intervals else ()
+        deltas = scores if len(self.rows) > 1 else ()
+        extra = [f"{s} 95% CI" for s in scores]
+        extra += [f"Δ{s} vs {self.rows[0]['method']} (95% CI)" for s in deltas]
         cols = ("method", *self.columns, *self.class_names, "images", *extra)
         lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        num = self._num
         for r in self.rows:
-            vals = [r["method"], *(f"{r[c]:.2f}" for c in self.columns), *self._class_values(r),
-                    str(r["images"])]
-            if extra:
-                lo, hi = r["ci95"]["mIoU"]
-                vals += [f"{lo:.2f}-{hi:.2f}", self._delta_text(r, "mIoU")][: len(extra)]
+            vals = [r["method"], *(f"{r[c]:{_MD_FORMAT.get(c, '.2f')}}" for c in self.columns),
+                    *self._class_values(r), str(r["images"])]
+            for s in scores:
+                lo, hi = r["ci95"][s]
+                vals.append(f"{lo:{num}}-{hi:{num}}")
+            vals += [self._delta_text(r, s) for s in deltas]
             lines.append("| " + " | ".join(v or "-" for v in vals) + " |")
         return "\n".join(lines) + "\n"
 
@@ -734,21 +791,23 @@ class Results:
 
 
 def add_intervals(results: Results, boot: Bootstrap, keys: Sequence[str]) -> None:
-    """Put the bootstrap intervals into ``results.rows`` (in percent, rounded to 1e-4):
-    ``ci95`` per row and, for every row after the first, ``delta`` against the first row
-    (``keys[i]`` is row ``i``'s method in ``boot``)."""
+    """Put the bootstrap intervals into ``results.rows`` (in the rows' units: percent rounded
+    to 1e-4, or fractions and bits rounded to 1e-6 for region sets): ``ci95`` per row and,
+    for every row after the first, ``delta`` against the first row (``keys[i]`` is row
+    ``i``'s method in ``boot``)."""
     scores = INTERVAL_SCORES[results.task]
+    scale, digits = (100.0, 4) if PERCENT[results.task] else (1.0, 6)
     if boot.level != 0.95:
         raise ValueError(f"the tables name 95% intervals, got level {boot.level}")
     ref_row, ref = results.rows[0], keys[0]
     for row, key in zip(results.rows, keys):
-        row["ci95"] = {s: [round(100 * v, 4) for v in boot.interval(key, s)] for s in scores}
+        row["ci95"] = {s: [round(scale * v, digits) for v in boot.interval(key, s)] for s in scores}
         if row is ref_row:
             continue
         delta = {"vs": ref_row["method"]}
         for s in scores:
             lo, hi = boot.difference(key, ref, s)
-            delta[s] = [round(row[s] - ref_row[s], 4), round(100 * lo, 4), round(100 * hi, 4)]
+            delta[s] = [round(row[s] - ref_row[s], digits), round(scale * lo, digits), round(scale * hi, digits)]
         row["delta"] = delta
 
 
@@ -793,14 +852,21 @@ def _output_dir(cfg: DictConfig) -> Path:
         raise ConfigError("no output folder: pass output=DIR (Hydra's run dir exists only under segment-eval)") from None
 
 
-def fingerprint(cfg: DictConfig) -> str:
+def fingerprint(cfg: DictConfig, selection: Sequence[str] = ()) -> str:
     """What decides the per-image numbers besides the method: model, data set, post-processing,
     package version, :data:`CACHE_VERSION` and the source of the backbone, data set and
-    scoring modules."""
+    scoring modules.
+
+    ``selection``: data set settings that only choose which items are read, each item's name
+    saying where it comes from (the data set's ``selection_keys``, e.g. BSDS500's ``split``:
+    ``val/241048``); they are left out, so that runs of the same output over splits share the
+    per-image results (like ``limit``)."""
     model = OmegaConf.to_container(cfg.model, resolve=True)
     if isinstance(model, dict):
         model = {k: v for k, v in model.items() if k != "device"}
     data = OmegaConf.to_container(cfg.dataset, resolve=True)
+    if isinstance(data, dict):
+        data = {k: v for k, v in data.items() if k not in set(selection)}
     targets = [str(node.get("_target_", "")).rsplit(".", 1)[0] for node in (cfg.model, cfg.dataset)]
     return config_hash({
         "model": model, "dataset": data, "mask_at": cfg.get("mask_at", "image"),
@@ -896,7 +962,8 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
         raise ConfigError(f"{type(dataset).__name__}: item names are not unique")
 
     cache_root = out_dir / "cache"
-    cache = MetricCache(cache_root / fingerprint(cfg), enabled=bool(cfg.get("cache", True)))
+    cache = MetricCache(cache_root / fingerprint(cfg, getattr(dataset, "selection_keys", ())),
+                        enabled=bool(cfg.get("cache", True)))
     mine = dist.shard(indices, ctx)
     keys = [s.key for s in specs]
     states: dict[int, dict[str, State]] = {}
@@ -941,7 +1008,8 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
     for part_states, part_prompted in gathered or []:
         per_image.update(part_states)
         prompted.update(part_prompted)
-    empty = (lambda: BinaryState()) if dataset.task == "binary" else (lambda: MulticlassState.zero(dataset.num_classes))
+    empty = {"binary": lambda: BinaryState(), "regions": lambda: RegionState(),
+             "multiclass": lambda: MulticlassState.zero(dataset.num_classes)}[dataset.task]
     names = class_names_of(dataset) if dataset.task == "multiclass" else ()
     results = Results(task=dataset.task, class_names=names)
     for s in specs:
@@ -1021,14 +1089,24 @@ def _build_backbone(cfg, ctx, specs, timing: _Timing) -> Any:
     return backbone
 
 
+def input_size_groups(backbone: Any, images: Sequence[Any]) -> list[list[int]]:
+    """The positions of ``images`` grouped by the backbone's input size for each
+    (:meth:`segment.models.base.Backbone.input_size`; one group, in order, when every image
+    gets the same size), groups in the order of their first image."""
+    size_of = getattr(backbone, "input_size", None)
+    if not callable(size_of):
+        return [list(range(len(images)))]
+    groups: dict[Any, list[int]] = {}
+    for j, im in enumerate(images):
+        groups.setdefault(size_of(im), []).append(j)
+    return list(groups.values())
+
+
 def _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at, fallbacks,
            timing: _Timing, backbone: Any) -> None:
     from torch.utils.data import DataLoader, Subset
     from tqdm import tqdm
 
-    prompted = hasattr(backbone, "default_class")  # text-conditioned (FLUX)
-    default_class = getattr(backbone, "default_class", None)
-    panels = int(cfg.get("panels", 4) or 0)
     loader = DataLoader(
         Subset(dataset, todo),
         batch_size=int(cfg.get("batch_size", 8)),
@@ -1042,56 +1120,75 @@ def _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at, fall
     for batch in loader:
         idx = todo[pos : pos + len(batch)]
         pos += len(batch)
-        need = [s for s in specs if any(s.key not in states[i] for i in idx)]
-        capture = union_capture([s.method for s in need], backbone.num_layers)
-        pixels = backbone.collate([s.image for s in batch])
-        classes = [s.class_name for s in batch]
-        if prompted:
-            prompts = batch_prompts(classes, default_class, [s.name for s in batch])
-            for j, i in enumerate(idx):
-                fallbacks[i] = classes[j] is None
-            if any(c is None for c in classes):
-                log.warning("no class name for %s: prompted with the default class %r",
-                            ", ".join(s.name for s, c in zip(batch, classes) if c is None),
-                            default_class)
-        else:  # prompts are ignored; passed when every image has one
-            prompts = classes if all(c is not None for c in classes) else None
-        with torch.inference_mode():
-            record: AttentionRecord = backbone.extract(pixels, capture, prompts=prompts)
-            targets = _targets(batch)
-            panel_rows: dict[int, list] = {j: [] for j, i in enumerate(idx) if i < panels}
-            outs = []
-            for s in need:
-                t_s = time.perf_counter()
-                outs.append(s.method(record))
-                timing.method_s[s.key] = timing.method_s.get(s.key, 0.0) + time.perf_counter() - t_s
-            if dataset.task == "binary":  # all methods' maps of the batch scored together
-                new_all = score_binary_many(outs, targets, mask_at, _originals(batch))
-            else:
-                new_all = [score_multiclass(o, targets, dataset.num_classes, s.label) for s, o in zip(need, outs)]
-            for s, out, new in zip(need, outs, new_all):
-                for j, i in enumerate(idx):
-                    states[i][s.key] = new[j]
-                timing.images[s.key] = timing.images.get(s.key, 0) + len(idx)
-                if panel_rows:
-                    _panel_tiles(panel_rows, out, targets, mask_at, s.label, dataset.task,
-                                 dataset.num_classes)
-        for j, i in enumerate(idx):
-            cache.save(batch[j].name, states[i], fallbacks.get(i))
-        for j, rows in panel_rows.items():
-            if dataset.task == "binary":
-                write_panel(out_dir / "panels" / f"{_SAFE.sub('_', batch[j].name)}.png", batch[j].image, batch[j].target, rows)
-            else:
-                write_panel(out_dir / "panels" / f"{_SAFE.sub('_', batch[j].name)}.png", batch[j].image,
-                            batch[j].target, rows, columns=["image", "labels (matched class)", "ground truth"],
-                            class_names=class_names_of(dataset))
+        # one backbone pass per input size (model.match_orientation: portrait and landscape)
+        for part in input_size_groups(backbone, [s.image for s in batch]):
+            _score_batch(cfg, dataset, specs, [batch[j] for j in part], [idx[j] for j in part], states,
+                         cache, out_dir, mask_at, fallbacks, timing, backbone)
         bar.update(len(batch))
     bar.close()
 
 
+def _score_batch(cfg, dataset, specs, batch, idx, states, cache, out_dir, mask_at, fallbacks,
+                 timing: _Timing, backbone: Any) -> None:
+    """Score the images ``batch`` (data set indices ``idx``, one input size) with every
+    method that lacks them: one backbone pass, then the metric states, cache files and panels."""
+    prompted = hasattr(backbone, "default_class")  # text-conditioned (FLUX)
+    default_class = getattr(backbone, "default_class", None)
+    panels = int(cfg.get("panels", 4) or 0)
+    need = [s for s in specs if any(s.key not in states[i] for i in idx)]
+    capture = union_capture([s.method for s in need], backbone.num_layers)
+    pixels = backbone.collate([s.image for s in batch])
+    classes = [s.class_name for s in batch]
+    if prompted:
+        prompts = batch_prompts(classes, default_class, [s.name for s in batch])
+        for j, i in enumerate(idx):
+            fallbacks[i] = classes[j] is None
+        if any(c is None for c in classes):
+            log.warning("no class name for %s: prompted with the default class %r",
+                        ", ".join(s.name for s, c in zip(batch, classes) if c is None),
+                        default_class)
+    else:  # prompts are ignored; passed when every image has one
+        prompts = classes if all(c is not None for c in classes) else None
+    with torch.inference_mode():
+        record: AttentionRecord = backbone.extract(pixels, capture, prompts=prompts)
+        targets = _targets(batch)
+        panel_rows: dict[int, list] = {j: [] for j, i in enumerate(idx) if i < panels}
+        outs = []
+        for s in need:
+            t_s = time.perf_counter()
+            outs.append(s.method(record))
+            timing.method_s[s.key] = timing.method_s.get(s.key, 0.0) + time.perf_counter() - t_s
+        if dataset.task == "binary":  # all methods' maps of the batch scored together
+            new_all = score_binary_many(outs, targets, mask_at, _originals(batch))
+        elif dataset.task == "regions":
+            new_all = [score_regions(o, targets, s.label) for s, o in zip(need, outs)]
+        else:
+            new_all = [score_multiclass(o, targets, dataset.num_classes, s.label) for s, o in zip(need, outs)]
+        for s, out, new in zip(need, outs, new_all):
+            for j, i in enumerate(idx):
+                states[i][s.key] = new[j]
+            timing.images[s.key] = timing.images.get(s.key, 0) + len(idx)
+            if panel_rows:
+                _panel_tiles(panel_rows, out, targets, mask_at, s.label, dataset.task,
+                             dataset.num_classes)
+    for j, i in enumerate(idx):
+        cache.save(batch[j].name, states[i], fallbacks.get(i))
+    for j, rows in panel_rows.items():
+        path = out_dir / "panels" / f"{_SAFE.sub('_', batch[j].name)}.png"
+        if dataset.task == "binary":
+            write_panel(path, batch[j].image, batch[j].target, rows)
+        elif dataset.task == "regions":  # the first human segmentation, in region colours
+            write_panel(path, batch[j].image, colour_regions(batch[j].target[0]), rows,
+                        columns=["image", "labels (as segment writes them)", "human 1"])
+        else:
+            write_panel(path, batch[j].image, batch[j].target, rows,
+                        columns=["image", "labels (matched class)", "ground truth"],
+                        class_names=class_names_of(dataset))
+
+
 def _panel_tiles(panel_rows, out: MethodOutput, targets, mask_at, label, task, num_classes=2) -> None:
     for j in panel_rows:
-        size = tuple(targets[j].shape)
+        size = tuple(targets[j].shape[-2:])
         one = MethodOutput(
             heatmap=out.heatmap[j : j + 1],
             labels=None if out.labels is None else out.labels[j : j + 1],
@@ -1100,6 +1197,9 @@ def _panel_tiles(panel_rows, out: MethodOutput, targets, mask_at, label, task, n
         if task == "binary":
             ((r, m),) = _method_maps(one, [size], mask_at)
             panel_rows[j].append((label, [_colour_heat(r), _gray(m)]))
+        elif task == "regions":  # every region in its own colour
+            lab = region_labels(one, 0, size).cpu().numpy()
+            panel_rows[j].append((f"{label}: {len(np.unique(lab))} regions", [colour_regions(lab)]))
         else:  # segments coloured by the class the image's Hungarian matching gives them
             lab = labels_at(one.labels, size)[0].cpu().numpy()
             cls = matched_classes(lab, targets[j].numpy(), num_classes)

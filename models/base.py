@@ -35,9 +35,23 @@ class Backbone(abc.ABC):
     def preprocess(self, image: Image.Image) -> Tensor:
         """One RGB PIL image -> ``(3, H, W)`` model input (resized and normalised)."""
 
+    def input_size(self, image: Image.Image) -> tuple[int, int] | None:
+        """``(H, W)`` of :meth:`preprocess` for ``image``; ``None`` when every image gets the
+        same size (callers batch images of one input size together)."""
+        return None
+
     def collate(self, images: Sequence[Image.Image]) -> Tensor:
-        """A list of RGB images -> ``(B, 3, H, W)`` batch (same size after preprocessing)."""
-        return torch.stack([self.preprocess(im) for im in images])
+        """A list of RGB images -> ``(B, 3, H, W)`` batch (same size after preprocessing;
+        images of different input sizes are refused in one line)."""
+        pixels = [self.preprocess(im) for im in images]
+        sizes = sorted({tuple(x.shape[-2:]) for x in pixels})
+        if len(sizes) > 1:
+            raise ValueError(
+                f"{self.name}: one batch needs one input size, got {' and '.join(f'{h}x{w}' for h, w in sizes)}"
+                " (model.match_orientation gives portrait photos the transposed size: batch them"
+                " apart, grouped by input_size)"
+            )
+        return torch.stack(pixels)
 
     @abc.abstractmethod
     def extract(

@@ -217,6 +217,10 @@ class TimmViT(Backbone):
         checkpoint: local weights, safetensors or a torch state dict in timm format or any
             format timm's ViT checkpoint filter converts (original DINOv2, OpenAI CLIP).
         image_size: backbone input ``int`` or ``(H, W)``; multiples of the patch size.
+        match_orientation: give a photo whose orientation differs from ``image_size``'s
+            (portrait vs landscape) the transposed size ``(W, H)``, so that its long side is
+            the input's long side (BSDS500's 481 x 321 and 321 x 481 photos at ``[294, 448]``:
+            294 x 448 and 448 x 294); square sizes and square photos are unaffected.
         mean, std: normalisation (``None`` = the model's timm pretrained config).
         model_kwargs: extra ``timm.create_model`` arguments (e.g. ``embed_dim``, ``depth``
             for tiny random test models).
@@ -239,6 +243,7 @@ class TimmViT(Backbone):
         pretrained: bool = True,
         checkpoint: str | os.PathLike | None = None,
         image_size: int | Sequence[int] = 224,
+        match_orientation: bool = False,
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
         model_kwargs: Mapping[str, Any] | None = None,
@@ -290,6 +295,9 @@ class TimmViT(Backbone):
         self.patch_size = _pair(model.patch_embed.patch_size, "patch_size")
         self.image_size = _pair(image_size, "model.image_size")
         self._check_size(self.image_size, "model.image_size")
+        if not isinstance(match_orientation, bool):
+            raise ValueError(f"model.match_orientation must be true or false, got {match_orientation!r}")
+        self.match_orientation = match_orientation
         cfg = getattr(model, "pretrained_cfg", None) or {}
         mean = mean if mean is not None else cfg.get("mean", (0.5,) * 3)
         std = std if std is not None else cfg.get("std", (0.5,) * 3)
@@ -391,12 +399,24 @@ class TimmViT(Backbone):
         h, w = image_size or self.image_size
         return (h // self.patch_size[0], w // self.patch_size[1])
 
+    def input_size(self, image: Image.Image) -> tuple[int, int] | None:
+        """``(H, W)`` of the input for ``image``: ``image_size``, transposed for a photo of the
+        other orientation when ``match_orientation``; ``None`` (every image the same) when not."""
+        if not self.match_orientation:
+            return None
+        h, w = self.image_size
+        pw, ph = image.size
+        if h != w and pw != ph and (ph > pw) != (h > w):
+            return (w, h)
+        return (h, w)
+
     def preprocess(self, image: Image.Image) -> Tensor:
-        """PIL image -> ``(3, H, W)``: RGB, Pillow bilinear resize to ``image_size``, /255,
-        normalised with ``mean``/``std`` (ecssd-dev REFERENCE.md, exactly)."""
+        """PIL image -> ``(3, H, W)``: RGB, Pillow bilinear resize to ``image_size`` (see
+        :meth:`input_size` for ``match_orientation``), /255, normalised with ``mean``/``std``
+        (ecssd-dev REFERENCE.md, exactly)."""
         if image.mode != "RGB":
             image = image.convert("RGB")
-        h, w = self.image_size
+        h, w = self.input_size(image) or self.image_size
         if image.size != (w, h):
             image = image.resize((w, h), Image.BILINEAR)
         x = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)

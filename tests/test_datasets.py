@@ -475,3 +475,96 @@ def test_camvid_dev(shared_dir):
         assert s.image.size == (480, 360) and s.target.shape == (360, 480)
         vals = set(np.unique(s.target).tolist())
         assert vals <= set(range(11)) | {255} and len(vals & set(range(11))) >= 4
+
+
+# ---------------------------------------------------------------- BSDS500
+
+
+def write_bsds_mat(path: Path, segs: list[np.ndarray]) -> None:
+    """A ground-truth file with BSDS500's layout: groundTruth = (1, K) cell of structs with
+    Segmentation (uint16 ids from 1) and Boundaries."""
+    import scipy.io
+
+    cell = np.empty((1, len(segs)), dtype=object)
+    for k, s in enumerate(segs):
+        cell[0, k] = {"Segmentation": s.astype(np.uint16), "Boundaries": np.zeros(s.shape, bool)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scipy.io.savemat(str(path), {"groundTruth": cell})
+
+
+def make_bsds(root: Path, layout: dict[str, list[tuple[str, int, int, int]]], seed: int = 0) -> Path:
+    """``layout``: split -> [(stem, H, W, annotators)]; random photos and segmentations."""
+    rng = np.random.default_rng(seed)
+    for split, items in layout.items():
+        (root / "images" / split).mkdir(parents=True, exist_ok=True)
+        for stem, h, w, k in items:
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / "images" / split / f"{stem}.jpg")
+            write_bsds_mat(root / "groundTruth" / split / f"{stem}.mat",
+                           [rng.integers(1, 2 + j, (h, w)) for j in range(k)])
+    return root
+
+
+def test_bsds_reads_splits_and_several_annotators(tmp_path):
+    import scipy.io
+
+    from segment.datasets.bsds import BSDS500
+
+    root = make_bsds(tmp_path / "bsds", {"train": [("20", 6, 9, 3), ("10", 9, 6, 5)], "val": [("7", 6, 9, 4)]})
+    val = BSDS500(root)  # default split: val
+    assert len(val) == 1 and val.name(0) == "val/7" and val.task == "regions"
+    s = val[0]
+    assert s.image.size == (9, 6) and s.target.shape == (4, 6, 9) and s.target.dtype == np.int32
+    gt = scipy.io.loadmat(str(root / "groundTruth" / "val" / "7.mat"))["groundTruth"]
+    for k in range(4):  # the annotators in file order, values as stored
+        assert np.array_equal(s.target[k], gt[0, k]["Segmentation"][0, 0])
+    both = BSDS500(root, split="all")  # every split folder present (no test/ here)
+    assert both.names() == ["train/10", "train/20", "val/7"] and both.splits == ["train", "val"]
+    assert both[0].target.shape == (5, 9, 6)  # portrait, 5 annotators
+    assert BSDS500(root, split=["val", "train"]).names() == ["val/7", "train/10", "train/20"]
+    assert BSDS500(root, split="train,val").names() == both.names()
+    with pytest.raises(ValueError, match="unknown split 'dev'"):
+        BSDS500(root, split="dev")
+    with pytest.raises(FileNotFoundError, match=r"test photos"):
+        BSDS500(root, split="test")
+
+
+def test_bsds_errors_name_the_file(tmp_path):
+    from segment.datasets.base import DataError
+    from segment.datasets.bsds import BSDS500
+
+    root = make_bsds(tmp_path / "bsds", {"val": [("1", 6, 9, 2), ("2", 6, 9, 2), ("3", 6, 9, 2), ("4", 6, 9, 2)]})
+    gt = root / "groundTruth" / "val"
+    (gt / "2.mat").write_bytes(b"MATLAB 5.0 MAT-file, truncated")  # corrupt
+    write_bsds_mat(gt / "3.mat", [np.ones((9, 6), int), np.ones((9, 6), int)])  # transposed: size mismatch
+    import scipy.io
+
+    scipy.io.savemat(str(gt / "4.mat"), {"other": np.zeros(3)})  # no groundTruth cell
+    ds = BSDS500(root)
+    assert ds[0].target.shape == (2, 6, 9)
+    for i, what in ((1, r"2\.mat: expected a BSDS500 ground-truth \.mat .* that scipy\.io\.loadmat can read"),
+                    (2, r"3\.mat: the human segmentations are 6x9, the photo .*3\.jpg is 9x6"),
+                    (3, r"4\.mat: expected a BSDS500 ground-truth \.mat .*no groundTruth cell \(variables: other\)")):
+        with pytest.raises(DataError, match=what) as e:
+            ds[i]
+        assert "\n" not in str(e.value)
+    (gt / "1.mat").unlink()
+    with pytest.raises(FileNotFoundError, match=r"1\.mat: expected the ground truth of .*1\.jpg"):
+        BSDS500(root)
+
+
+def test_bsds_dev(shared_dir):
+    """The shared BSDS500 train + val through configs/dataset/bsds.yaml (reads 2 items)."""
+    from hydra import compose, initialize_config_module
+    from hydra.utils import instantiate
+
+    root = shared_dir / "data" / "bsds-dev"
+    if not (root / "images").is_dir():
+        pytest.skip(f"{root} is missing")
+    with initialize_config_module("segment.configs", version_base="1.3"):
+        cfg = compose("eval", overrides=["dataset=bsds", f"dataset.root={root}", "dataset.split=all"])
+    ds = instantiate(cfg.dataset)
+    assert len(ds) == 300 and ds.names()[:1] == ["train/100075"] and ds.names()[-1].startswith("val/")
+    for i in (0, 299):
+        s = ds[i]
+        assert s.target.shape[1:] == (s.image.size[1], s.image.size[0]) and {s.image.size} <= {(481, 321), (321, 481)}
+        assert 4 <= s.target.shape[0] <= 9 and s.target.min() >= 1

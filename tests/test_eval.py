@@ -116,7 +116,7 @@ def read_rows(out: Path, timing: bool = False) -> list[dict]:
 # ------------------------------------------------------------------------------ configs
 
 
-@pytest.mark.parametrize("name", ["imagenet_seg", "folder", "coco", "cocostuff27", "cityscapes27", "labels", "camvid"])
+@pytest.mark.parametrize("name", ["imagenet_seg", "folder", "coco", "cocostuff27", "cityscapes27", "labels", "camvid", "bsds"])
 def test_every_dataset_config_composes(name):
     cfg = cfg_for(f"dataset={name}", *TINY)
     assert cfg.dataset._target_.startswith("segment.datasets.")
@@ -554,7 +554,7 @@ def test_label_folder_tables_and_panels(tmp_path, quantile_methods, counting, ca
                   "include_default=false", "+methods.quant._target_=segment_test_methods.QuantileRegions", "panels=1")
     assert run_eval(cfg) == EXIT_OK
     (row,) = read_rows(out)
-    assert set(row) == {"method", "pixAcc", "mIoU", "regions", "iou", "images", "ci95"}
+    assert set(row) == {"method", "pixAcc", "mIoU", "regions", "regions_median", "small_px", "iou", "images", "ci95"}
     assert set(row["ci95"]) == {"pixAcc", "mIoU"} and row["ci95"]["mIoU"][0] <= row["ci95"]["mIoU"][1]
     assert list(row["iou"]) == ["road", "sky", "car"] and row["images"] == 3
     # the same from the metric on the method's own labels at the label resolution (30 x 40)
@@ -574,16 +574,19 @@ def test_label_folder_tables_and_panels(tmp_path, quantile_methods, counting, ca
     sc = st.scores()
     assert row["pixAcc"] == pytest.approx(100 * sc.ACC) and row["mIoU"] == pytest.approx(100 * sc.mIoU)
     assert row["regions"] == pytest.approx(sc.regions) and row["regions"] == 3.0
+    assert row["regions_median"] == sc.regions_median == 3.0
+    assert row["small_px"] == pytest.approx(100 * sc.small_share)
     assert [row["iou"][c] for c in ("road", "sky", "car")] == pytest.approx([100 * x for x in sc.iou])
     lines = list(csv.reader((out / "results.csv").read_text().splitlines()))
     # one row: its interval, no difference columns
-    assert lines[0] == ["method", "pixAcc", "mIoU", "regions", "IoU_road", "IoU_sky", "IoU_car", "images",
-                        "mIoU_ci95_low", "mIoU_ci95_high"]
-    assert float(lines[1][6]) == pytest.approx(row["iou"]["car"], abs=0.006)
-    assert [float(x) for x in lines[1][8:10]] == row["ci95"]["mIoU"]
+    assert lines[0] == ["method", "pixAcc", "mIoU", "regions", "regions_median", "small_px", "IoU_road", "IoU_sky",
+                        "IoU_car", "images", "mIoU_ci95_low", "mIoU_ci95_high"]
+    assert float(lines[1][8]) == pytest.approx(row["iou"]["car"], abs=0.006)
+    assert [float(x) for x in lines[1][10:12]] == row["ci95"]["mIoU"]
     md = (out / "results.md").read_text().splitlines()
-    assert md[0] == "| method | pixAcc | mIoU | regions | road | sky | car | images | mIoU 95% CI |"
-    assert md[2].startswith(f"| quant | {row['pixAcc']:.2f} | {row['mIoU']:.2f} | 3.00 |")
+    assert md[0] == ("| method | pixAcc | mIoU | regions | regions_median | small_px | road | sky | car | images"
+                     " | mIoU 95% CI |")
+    assert md[2].startswith(f"| quant | {row['pixAcc']:.2f} | {row['mIoU']:.2f} | 3.00 | 3.0 | {row['small_px']:.2f} |")
     lo, hi = row["ci95"]["mIoU"]
     assert md[2].endswith(f"| 3 | {lo:.2f}-{hi:.2f} |")
     panel = np.asarray(Image.open(out / "panels" / "s0.png").convert("RGB"))
@@ -781,3 +784,134 @@ def test_sweep_table_margins_and_worst_set(tmp_path):
     assert header[col - 1] == "scene regions/img" and "bin ΔmIoU vs x (95% CI)" not in header
     assert [c.strip() for c in rows[2].strip("|").split("|")][col] == "-"
     assert [c.strip() for c in rows[3].strip("|").split("|")][col] == "-0.50 (-1.25, +0.25)"
+
+
+# ------------------------------------------------------------------------------ BSDS500 regions
+
+
+def _bsds(root: Path, seed: int = 0) -> Path:
+    """A BSDS500 layout: val with 2 landscape and 2 portrait photos (28 x 42 / 42 x 28), 2-4
+    human segmentations of 2-4 blocky regions each."""
+    import scipy.io
+
+    rng = np.random.default_rng(seed)
+    for stem, (h, w) in (("a", (28, 42)), ("b", (42, 28)), ("c", (28, 42)), ("d", (42, 28))):
+        _save_png(root / "images" / "val" / f"{stem}.png", np.zeros((1, 1, 3), np.uint8))  # not read (.jpg only)
+        img = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        img[: h // 2] //= 3
+        Image.fromarray(img).save(root / "images" / "val" / f"{stem}.jpg", quality=95)
+        k = int(rng.integers(2, 5))
+        cell = np.empty((1, k), dtype=object)
+        for j in range(k):
+            seg = 1 + (np.arange(h)[:, None] * (j + 2) // h) + 0 * np.arange(w)[None, :]
+            cell[0, j] = {"Segmentation": seg.astype(np.uint16)}
+        (root / "groundTruth" / "val").mkdir(parents=True, exist_ok=True)
+        scipy.io.savemat(str(root / "groundTruth" / "val" / f"{stem}.mat"), {"groundTruth": cell})
+    return root
+
+
+def test_bsds_end_to_end_region_metrics_and_orientation(tmp_path, quantile_methods, counting):
+    """dataset=bsds: Covering / PRI / VI / regions per image of every region method equal the
+    metric on the label maps `segment` writes (smooth upsampling to the photo), with intervals
+    and paired deltas; portrait photos get the transposed input under match_orientation (one
+    backbone pass per input size); heatmap-only methods are refused."""
+    from segment.datasets.bsds import BSDS500
+    from segment.eval.metrics import RegionState, region_state, total
+
+    from segment.core.masks import labels_at
+
+    root = _bsds(tmp_path / "bsds")
+    out = tmp_path / "out"
+    cfg = cfg_for(*TINY, "dataset=bsds", f"dataset.root={root}", "model.image_size=[28,42]",
+                  "model.match_orientation=true", "batch_size=4", f"output={out}", "include_default=false",
+                  "+methods.quant._target_=segment_test_methods.QuantileRegions",
+                  "+methods.km={config:kmeans,k:3}", "panels=1", "bootstrap=200")
+    assert run_eval(cfg) == EXIT_OK
+    bb = counting[0]
+    # one batch of 4 photos, two input sizes: landscape 28 x 42, portrait 42 x 28 (a then b, c, d)
+    assert bb.batches == [2, 2]
+    rows = read_rows(out)
+    assert [r["method"] for r in rows] == ["quant", "km"]
+    ds = BSDS500(root)
+    assert ds.names() == ["val/a", "val/b", "val/c", "val/d"]
+    for r, m in zip(rows, [QuantileRegions(), runner.instantiate_method(resolve_methods(cfg)[1])]):
+        states = []
+        for i in range(4):
+            s = ds[i]
+            x = bb.inner.collate([s.image])
+            assert tuple(x.shape[-2:]) == ((28, 42) if s.image.size == (42, 28) else (42, 28))
+            o = m(bb.inner.extract(x, m.capture(bb.num_layers)))
+            lab = labels_at(o.labels, s.target.shape[1:], "smooth")[0]
+            states.append(region_state(lab, s.target))
+        sc = total(states, RegionState()).scores()
+        assert set(r) >= {"Covering", "PRI", "VI", "regions_median", "regions", "small_px", "images", "ci95"}
+        assert r["Covering"] == pytest.approx(sc.Covering) and r["PRI"] == pytest.approx(sc.PRI)
+        assert r["VI"] == pytest.approx(sc.VI) and r["regions_median"] == sc.regions_median
+        assert r["small_px"] == pytest.approx(100 * sc.small_share) and r["images"] == 4
+        for k in ("Covering", "PRI", "VI"):
+            lo, hi = r["ci95"][k]
+            assert lo <= r[k] + 1e-6 and r[k] <= hi + 1e-6
+    assert rows[0]["regions_median"] <= 3 and rows[1]["regions_median"] <= 3
+    d = rows[1]["delta"]
+    assert d["vs"] == "quant" and d["Covering"][0] == pytest.approx(rows[1]["Covering"] - rows[0]["Covering"], abs=1e-6)
+    assert d["Covering"][1] <= d["Covering"][0] <= d["Covering"][2]
+    lines = list(csv.reader((out / "results.csv").read_text().splitlines()))
+    assert lines[0][:8] == ["method", "Covering", "PRI", "VI", "regions_median", "regions", "small_px", "images"]
+    assert "delta_VI_ci95_high" in lines[0] and "Covering_ci95_low" in lines[0]
+    md = (out / "results.md").read_text().splitlines()
+    assert md[0].startswith("| method | Covering | PRI | VI | regions_median | regions | small_px | images |"
+                            " Covering 95% CI | PRI 95% CI | VI 95% CI | ΔCovering vs quant (95% CI) |")
+    assert md[2].startswith(f"| quant | {rows[0]['Covering']:.3f} | {rows[0]['PRI']:.3f} | {rows[0]['VI']:.3f} |")
+    panel = np.asarray(Image.open(out / "panels" / "val_a.png").convert("RGB"))
+    assert panel.shape[1] == 3 * (42 + 4)  # image | labels | human 1
+    # the rerun reads every image from the metric cache
+    assert run_eval(cfg) == EXIT_OK and len(counting) == 1 and read_rows(out) == rows
+    # the split only selects photos (names carry it): split=all in the same output reuses val
+    import shutil as _sh
+
+    _sh.copytree(root / "images" / "val", root / "images" / "train")
+    _sh.copytree(root / "groundTruth" / "val", root / "groundTruth" / "train")
+    cfg_all = cfg_for(*TINY, "dataset=bsds", f"dataset.root={root}", "dataset.split=all", "model.image_size=[28,42]",
+                      "model.match_orientation=true", "batch_size=4", f"output={out}", "include_default=false",
+                      "+methods.quant._target_=segment_test_methods.QuantileRegions",
+                      "+methods.km={config:kmeans,k:3}", "panels=0", "bootstrap=0")
+    assert run_eval(cfg_all) == EXIT_OK
+    assert len(counting) == 2 and counting[1].batches == [2, 2]  # only the 4 train photos are scored
+    assert [r["images"] for r in read_rows(out)] == [8, 8]
+    # a heatmap-only method cannot be scored against human segmentations
+    cfg = cfg_for(*TINY, "dataset=bsds", f"dataset.root={root}", f"output={tmp_path / 'o2'}")
+    assert run_eval(cfg) == EXIT_BAD_INPUT
+
+
+def test_bsds_bad_ground_truth_is_one_line(tmp_path, quantile_methods, capsys):
+    root = _bsds(tmp_path / "bsds")
+    (root / "groundTruth" / "val" / "c.mat").write_bytes(b"not a mat file")
+    cfg = cfg_for(*TINY, "dataset=bsds", f"dataset.root={root}", "model.image_size=[28,42]", f"output={tmp_path / 'o'}",
+                  "include_default=false", "+methods.quant._target_=segment_test_methods.QuantileRegions")
+    capsys.readouterr()
+    assert run_eval(cfg) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "c.mat: expected a BSDS500 ground-truth .mat" in err[0]
+    (root / "groundTruth" / "val" / "c.mat").unlink()
+    cfg = cfg_for(*TINY, "dataset=bsds", f"dataset.root={root}", f"output={tmp_path / 'o2'}")
+    assert run_eval(cfg) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "c.mat: expected the ground truth of" in err[0]
+
+
+def test_bsds_scores_the_labels_segment_writes():
+    """score_regions reads the label map `segment` writes for a photo (outputs.postprocess,
+    default label_upsampling) at the human segmentations' size."""
+    from segment.eval.metrics import region_state
+    from segment.run.outputs import postprocess
+
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 5, (2, 4, 6), generator=g)
+    out = MethodOutput(heatmap=torch.rand(2, 4, 6, generator=g), labels=labels,
+                       foreground=torch.tensor([[True, False, True, False, True]] * 2))
+    gts = [torch.randint(1, 4, (3, 21, 31), generator=g), torch.randint(1, 3, (2, 31, 21), generator=g)]
+    states = runner.score_regions(out, gts, "x")
+    for i, t in enumerate(gts):
+        written = postprocess(out, i, tuple(t.shape[-2:])).labels
+        assert np.array_equal(runner.region_labels(out, i, tuple(t.shape[-2:])).numpy(), written)
+        assert states[i] == region_state(written, t.numpy())

@@ -482,3 +482,187 @@ def test_bootstrap_rejects_bad_input():
         bootstrap({"m": [st[0], MulticlassState.zero(2)]})
     with pytest.raises(ValueError, match="no states"):
         bootstrap({"m": []})
+
+
+# ------------------------------------------------------------------ regions (BSDS)
+
+
+def test_multiclass_regions_median_and_small_share():
+    # 10 x 20 image: one segment of 199 pixels and one of 1 pixel (0.5% < 1% of the image)
+    pred = np.zeros((10, 20), int)
+    pred[0, 0] = 4
+    a = hungarian_state(pred, np.zeros((10, 20), int), 2)
+    assert a.region_counts == [2] and a.small_px == 1 and a.pixels == 200
+    # exactly 1% is not under 1%
+    pred = np.zeros((10, 10), int)
+    pred[0, 0] = 4
+    assert hungarian_state(pred, np.zeros((10, 10), int), 2).small_px == 0
+    # a second image with 4 segments of 25 pixels (none small)
+    b = hungarian_state(np.arange(100).reshape(10, 10) // 25, np.zeros((10, 10), int), 2)
+    c = hungarian_state(np.zeros((5, 5), int), np.zeros((5, 5), int), 2)  # 1 region
+    sc = (a + b + c).scores()
+    assert sc.regions == pytest.approx(7 / 3) and sc.regions_median == 2.0
+    assert sc.small_share == pytest.approx(1 / 325)
+    assert (a + b).scores().regions_median == 3.0  # median of [2, 4]
+    assert sc.percent()["small_px"] == pytest.approx(100 / 325)
+
+
+def _hand_images():
+    """Two images worked out by hand (see test_region_metrics_hand_computed)."""
+    pred1 = np.array([[0, 0, 1],
+                      [0, 1, 1]])
+    g1a = np.array([[1, 1, 1],
+                    [2, 2, 2]])
+    g1b = np.array([[5, 5, 7],
+                    [5, 7, 7]])  # the prediction, renamed
+    pred2 = np.array([[3, 3, 3, 3]])
+    g2 = np.array([[1, 1, 2, 2]])
+    return (pred1, [g1a, g1b]), (pred2, [g2])
+
+
+def test_region_metrics_hand_computed():
+    from segment.eval.metrics import RegionState, region_state
+
+    (p1, gts1), (p2, gts2) = _hand_images()
+    # image 1, annotator a: n = [[2, 1], [1, 2]] (rows S0 = {(0,0),(0,1),(1,0)}, S1)
+    #   IoU = 2 / (3 + 3 - 2) = 1/2 (diagonal), 1/5 off it: each 3-pixel human region adds
+    #   3 * 1/2; RI: disagreeing pairs 9 + 9 - 10 = 8 of 15 -> 7/15;
+    #   VI = H(S) + H(G) - 2 I = 1 + 1 - 2 ((2/3) log2(4/3) + (1/3) log2(2/3)) = 2 log2(3) - 4/3
+    # annotator b = the prediction renamed: covering 3 + 3, RI 1, VI 0
+    s1 = region_state(p1, np.stack(gts1))
+    assert s1.covering_num == pytest.approx(3 * 0.5 * 2 + 6) and s1.covering_den == 12
+    assert s1.pri_sum == pytest.approx((7 / 15 + 1) / 2)
+    assert s1.vi_sum == pytest.approx((2 * np.log2(3) - 4 / 3) / 2)
+    # image 2 (1 x 4): one predicted region vs two halves: IoU 1/2 each -> 2 of 4;
+    #   RI: a = [4], b = [2, 2], n = [[2, 2]]: disagree 8 + 4 - 8 = 4 of 6 -> 1/3; VI = 0 + 1 - 0
+    s2 = region_state(p2, gts2)
+    assert s2.covering_num == pytest.approx(2.0) and s2.covering_den == 4
+    assert s2.pri_sum == pytest.approx(1 / 3) and s2.vi_sum == pytest.approx(1.0)
+    sc = (s1 + s2).scores()
+    # Covering is pooled over the regions of all annotators of all images: (9 + 2) / (12 + 4),
+    # not the mean of the per-image coverings (9/12 + 2/4) / 2 = 0.625
+    assert sc.Covering == pytest.approx(11 / 16)
+    assert (s1.scores().Covering + s2.scores().Covering) / 2 == pytest.approx(0.625)
+    # PRI and VI: the annotator means, averaged over images
+    assert sc.PRI == pytest.approx(((7 / 15 + 1) / 2 + 1 / 3) / 2)
+    assert sc.VI == pytest.approx(((2 * np.log2(3) - 4 / 3) / 2 + 1) / 2)
+    assert sc.images == 2 and sc.regions_median == 1.5 and sc.regions == 1.5
+    whole = s1 + s2
+    assert state_from_dict(whole.to_dict()) == whole and isinstance(whole, RegionState)
+    # a list of maps is the same as the stacked array; a single (H, W) map is one annotator
+    assert region_state(p1, gts1) == s1 and region_state(p2, g2 := gts2[0]) == region_state(p2, g2[None])
+
+
+def test_region_metrics_human_id_zero_is_not_a_region():
+    """regionBench's match_segmentations leaves human id 0 out of the covering (regionprops
+    counts ids from 1) while its pixels count in the predicted regions' areas; PRI and VI
+    (compare_segmentations) treat 0 as a label like any other."""
+    from segment.eval.metrics import region_state
+
+    pred = np.array([[0, 0, 1, 1]])
+    gt = np.array([[0, 1, 1, 1]])
+    s = region_state(pred, gt)
+    # human region 1 = pixels 1..3: IoU with S1 = 2 / (2 + 3 - 2) = 2/3 (best) -> 3 * 2/3 of 3
+    assert s.covering_num == pytest.approx(2.0) and s.covering_den == 3
+    # RI: a = [2, 2], b = [1, 3], n = [[1, 1], [0, 2]]: disagree 4 + 5 - 6 = 3 of 6
+    assert s.pri_sum == pytest.approx(0.5)
+
+
+def _brute(pred, gts):
+    """Pair counting and region loops, no contingency tables."""
+    p = pred.ravel()
+    num = den = 0.0
+    ris, vis = [], []
+    for g in gts:
+        g = g.ravel()
+        for r in np.unique(g):
+            if r < 1:
+                continue
+            rm = g == r
+            best = max((rm & (p == s)).sum() / (rm | (p == s)).sum() for s in np.unique(p))
+            num += rm.sum() * best
+            den += rm.sum()
+        agree = total_pairs = 0
+        for i, j in itertools.combinations(range(p.size), 2):
+            agree += (p[i] == p[j]) == (g[i] == g[j])
+            total_pairs += 1
+        ris.append(agree / total_pairs)
+        # VI = H(S | G) + H(G | S) from the joint frequencies, by dictionary counting
+        joint: dict = {}
+        for a, b in zip(p.tolist(), g.tolist()):
+            joint[(a, b)] = joint.get((a, b), 0) + 1
+        ns = {a: (p == a).sum() for a in set(p.tolist())}
+        ng = {b: (g == b).sum() for b in set(g.tolist())}
+        n = p.size
+        vi = -sum(c / n * (np.log2(c / ns[a]) + np.log2(c / ng[b])) for (a, b), c in joint.items())
+        vis.append(vi)
+    return num, den, float(np.mean(ris)), float(np.mean(vis))
+
+
+def test_region_metrics_match_brute_force_pair_counting():
+    from segment.eval.metrics import region_state
+
+    rng = np.random.default_rng(7)
+    for trial in range(6):
+        h, w = int(rng.integers(3, 8)), int(rng.integers(3, 8))
+        k = int(rng.integers(1, 5))
+        pred = rng.integers(0, int(rng.integers(1, 6)), (h, w)) * 10  # sparse, non-contiguous ids
+        gts = rng.integers(1, int(rng.integers(2, 6)), (k, h, w))
+        if trial == 0:
+            gts[0, 0, 0] = 0  # a pixel without a human region
+        s = region_state(torch.from_numpy(pred), gts)
+        num, den, ri, vi = _brute(pred, gts)
+        assert s.covering_num == pytest.approx(num) and s.covering_den == den
+        assert s.pri_sum == pytest.approx(ri, abs=1e-12) and s.vi_sum == pytest.approx(vi, abs=1e-9)
+        assert s.region_counts == [len(np.unique(pred))]
+
+
+def test_region_metrics_identities_and_errors():
+    from segment.eval.metrics import contingency, rand_index, region_state, variation_of_information
+
+    rng = np.random.default_rng(1)
+    g = rng.integers(1, 9, (40, 30))
+    perfect = region_state(g * 3 + 100, np.stack([g, g]))  # renamed ids: perfect on every metric
+    sc = perfect.scores()
+    assert sc.Covering == pytest.approx(1.0) and sc.PRI == pytest.approx(1.0) and sc.VI == pytest.approx(0.0, abs=1e-12)
+    # one region against a human segmentation: RI = sum_b C(b, 2) / C(N, 2); VI = H(G)
+    one = np.zeros_like(g)
+    n, s_ids, g_ids = contingency(one, g)
+    b = np.bincount(g.ravel())[1:].astype(float)
+    assert n.shape == (1, 8) and list(s_ids) == [0] and list(g_ids) == list(range(1, 9))
+    assert rand_index(n) == pytest.approx((b * (b - 1) / 2).sum() / (g.size * (g.size - 1) / 2))
+    pg = b / b.sum()
+    assert variation_of_information(n) == pytest.approx(-(pg * np.log2(pg)).sum())
+    # symmetric in its arguments
+    p = rng.integers(0, 5, (40, 30))
+    assert rand_index(contingency(p, g)[0]) == pytest.approx(rand_index(contingency(g, p)[0]))
+    assert variation_of_information(contingency(p, g)[0]) == pytest.approx(variation_of_information(contingency(g, p)[0]))
+    with pytest.raises(ValueError, match=r"\(H, W\) prediction and \(K, H, W\)"):
+        region_state(p, g[:, :29])
+    with pytest.raises(ValueError, match="differ in size"):
+        contingency(p, g[:, :29])
+
+
+def test_region_bootstrap_recomputes_the_pooled_covering():
+    from segment.eval.metrics import RegionState, region_state, resample_counts
+
+    rng = np.random.default_rng(2)
+    gts = [rng.integers(1, 4, (3, 9, 12)) for _ in range(5)]
+    a = [region_state(rng.integers(0, 3, (9, 12)), g) for g in gts]
+    b = [region_state(rng.integers(0, 6, (9, 12)), g) for g in gts]
+    boot = bootstrap({"a": a, "b": b}, reps=50, level=0.9, seed=3)
+    counts = resample_counts(5, 50, seed=3)
+    for r in (0, 17, 49):  # one draw, summed by hand: the pooled ratio of the drawn images
+        num = sum(c * s.covering_num for c, s in zip(counts[r], a))
+        den = sum(c * s.covering_den for c, s in zip(counts[r], a))
+        pri = sum(c * s.pri_sum for c, s in zip(counts[r], a)) / 5
+        assert boot.draws["a"]["Covering"][r] == pytest.approx(num / den)
+        assert boot.draws["a"]["PRI"][r] == pytest.approx(pri)
+    whole = total(a, RegionState()).scores()
+    lo, hi = boot.interval("a", "Covering")
+    assert lo <= whole.Covering <= hi
+    d_lo, d_hi = boot.difference("b", "a", "VI")
+    diff = boot.draws["b"]["VI"] - boot.draws["a"]["VI"]
+    assert d_lo == pytest.approx(np.percentile(diff, 5)) and d_hi == pytest.approx(np.percentile(diff, 95))
+    with pytest.raises(ValueError, match="one kind"):
+        bootstrap({"a": [a[0], hungarian_state(np.zeros((2, 2), int), np.zeros((2, 2), int), 2)]})

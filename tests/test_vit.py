@@ -287,6 +287,27 @@ def test_preprocess_is_pillow_bilinear_then_normalise():
     assert model.collate([img, img.convert("RGBA")]).shape == (2, 3, 224, 308)
 
 
+def test_match_orientation_transposes_the_input_for_the_other_orientation():
+    rng = np.random.default_rng(1)
+    land = Image.fromarray(rng.integers(0, 256, (321, 481, 3), dtype=np.uint8))
+    port = land.transpose(Image.Transpose.TRANSPOSE)  # 321 x 481 -> 481 x 321
+    square = land.resize((300, 300))
+    fixed = tiny(image_size=(294, 448))
+    assert fixed.input_size(port) is None and fixed.preprocess(port).shape == (3, 294, 448)
+    model = tiny(image_size=(294, 448), match_orientation=True)
+    assert model.input_size(land) == (294, 448) and model.input_size(port) == (448, 294)
+    assert model.input_size(square) == (294, 448)
+    x = model.preprocess(port)
+    ref = np.asarray(port.resize((294, 448), Image.BILINEAR), dtype=np.float32) / 255.0
+    ref = (ref - np.array(model.mean, dtype=np.float32)) / np.array(model.std, dtype=np.float32)
+    assert x.shape == (3, 448, 294) and np.allclose(x.permute(1, 2, 0).numpy(), ref, atol=1e-6)
+    assert tiny(image_size=224, match_orientation=True).input_size(port) == (224, 224)
+    with pytest.raises(ValueError, match=r"one batch needs one input size, got 294x448 and 448x294"):
+        model.collate([land, port])
+    with pytest.raises(ValueError, match="match_orientation must be true or false"):
+        tiny(match_orientation="yes")
+
+
 def test_sizes_must_be_patch_multiples():
     with pytest.raises(ValueError, match="multiple of the patch size"):
         tiny(image_size=225)
