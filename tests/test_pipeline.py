@@ -416,7 +416,10 @@ def test_pipeline_benchmark_runs(tmp_path):
     res = json.loads(out.read_text())
     assert res["images"] == 5 and res["model"] == "vit_tiny_random"
     assert res["bare_forward_median"] > 0 and res["pipeline_median"] > 0
-    assert res["ratio"] == pytest.approx(res["pipeline_median"] / res["bare_forward_median"], rel=1e-2)
+    # the ratio is printed to 3 decimals: on a loaded machine it can be small enough that
+    # the rounding exceeds 1%
+    assert res["ratio"] == pytest.approx(res["pipeline_median"] / res["bare_forward_median"],
+                                         rel=1e-2, abs=5e-4)
     assert res["round_ratios"] == [res["ratio"]]  # one round: its own ratio
     assert res["pipeline_timings"][0]["model_s"] > 0
     assert set(res["stages_cpu_ms_per_image"]) == {"read_preprocess", "bare_forward", "extract_method",
