@@ -247,6 +247,7 @@ class RegionGrow(Method):
     # the stage -----------------------------------------------------------------------------
 
     def __call__(self, record: AttentionRecord) -> MethodOutput:
+        from segment import backends
         from segment.core import regions as rg
 
         layout = record.layout
@@ -284,7 +285,7 @@ class RegionGrow(Method):
         hard = prob.max(1).indices  # (B, H, W) proposal of every pixel (max: faster than argmax)
         if self.connectivity:
             area = int(round(float(self.min_area) * size[0] * size[1]))
-            labels = rg.connected_regions(hard, min_area=area)
+            labels = backends.connected_regions(hard, min_area=area)
         else:
             labels = rg.relabel(hard)
         k = int(labels.max()) + 1
@@ -384,6 +385,7 @@ class RegionGrow(Method):
         Returns:
             ``(B, H, W)`` labels and ``(B, K')`` foreground.
         """
+        from segment import backends
         from segment.core import regions as rg
 
         b, size = labels.shape[0], tuple(labels.shape[-2:])
@@ -393,7 +395,7 @@ class RegionGrow(Method):
         # every pixel's most likely proposal, over the image's own proposals (they come
         # first); components and specks before the cut: the mask stays exact
         area = int(round(float(self.min_area) * size[0] * size[1])) if self.connectivity else None
-        hard = rg.argmax_regions(grid_prob, fine.count.tolist(), size, area).to(labels.device)
+        hard = backends.argmax_regions(grid_prob, fine.count.tolist(), size, area).to(labels.device)
         new = rg.relabel(hard * 2 + mask.long())  # each region cut along the mask
         # every region lies on one side of the mask: its pixels write that side (ids an
         # image does not use stay background)
