@@ -278,6 +278,8 @@ class RegionGrow(Method):
         prop_score = rg.region_scores(grid_prob.max(1).indices, cls, kp)
         prop_fg = prop_score > cls.flatten(1).mean(1, keepdim=True)
 
+        # a hand-built record without pixels is not refined; a backbone whose records carry
+        # none is refused with refine_steps >= 1 before it runs (segment.run.api.check_method)
         if int(self.refine_steps) > 0 and record.pixels is not None:
             prob = self._refine(grid_prob, record.pixels, size)
         else:
@@ -321,6 +323,10 @@ class RegionGrow(Method):
         if self.label_tau is not None and float(self.label_tau) < float(self.tau):
             labels, foreground = self._finer_regions(dist, kl, labels, foreground, (h, w))
         return MethodOutput(heatmap=heat, labels=labels, foreground=foreground)
+
+    def pixel_knobs(self) -> tuple[str, ...]:
+        """``refine_steps`` when the pixel chain runs (``>= 1``): it walks the input image."""
+        return (f"refine_steps={int(self.refine_steps)}",) if int(self.refine_steps) >= 1 else ()
 
     def _refine_px(self) -> tuple[int, int, float]:
         """The pixel chain's window at ``refine_scale``: ``(radius, dilation, sigma_space)``
