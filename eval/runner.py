@@ -37,7 +37,7 @@ Markov core (:func:`method_key`), so a rerun with the same ``output`` skips imag
 scored, adding a method scores only that method, and an upgrade or a code change never mixes
 old and new numbers. The log says how many per-image results were reused.
 
-Prompts: a text-conditioned backbone (one with a ``default_class``, e.g. FLUX) is prompted
+Prompts: a text-conditioned backbone (``Backbone.text_conditioned``, e.g. FLUX) is prompted
 with each image's class name; an image without one (an unknown synset) falls back to
 ``model.default_class`` alone, and results.json counts those images (``prompt_fallbacks``).
 """
@@ -93,6 +93,7 @@ from segment.core.masks import (
     to_masks_and_labels,
 )
 from segment.core.record import AttentionRecord, Capture
+from segment.models.base import Backbone
 from segment.utils import (  # noqa: F401  (exit codes re-exported for callers)
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -875,17 +876,21 @@ def fingerprint(cfg: DictConfig, selection: Sequence[str] = ()) -> str:
     })
 
 
-def _instantiate_model(cfg: DictConfig, device: torch.device) -> Any:
+def _instantiate_model(cfg: DictConfig, device: torch.device) -> Backbone:
     from hydra.utils import instantiate
 
     kwargs = {"device": str(device)} if "device" in cfg.model else {}
     if cfg.get("seed") is not None:  # same random-init weights on every rank and rerun
         torch.manual_seed(int(cfg.seed))
     try:
-        return instantiate(cfg.model, **kwargs)
+        model = instantiate(cfg.model, **kwargs)
     except Exception as e:  # no weights offline, a checkpoint that does not fit: one line, exit 2
         cause = unwrap_instantiation(e)
         raise ConfigError(f"cannot build the model: {type(cause).__name__}: {cause}") from e
+    if not isinstance(model, Backbone):
+        raise ConfigError(f"model {cfg.model.get('_target_')} is not a segment.models.base.Backbone"
+                          f" (got {type(model).__name__})")
+    return model
 
 
 def _instantiate_dataset(cfg: DictConfig) -> Any:
@@ -1075,35 +1080,35 @@ scoring; rank 0); ``method_ms_per_image``, this method's own time per image. ``n
 when the row came from the metric cache only."""
 
 
-def _build_backbone(cfg, ctx, specs, timing: _Timing) -> Any:
-    """The model, with every method's capture checked against it (layers it lacks etc.):
-    before the first batch, one line, exit 2."""
+def _build_backbone(cfg, ctx, specs, timing: _Timing) -> Backbone:
+    """The model, with every method checked against it (:func:`segment.run.api.check_method`:
+    layers it lacks, knobs that need pixels it does not provide): before the first batch,
+    one line, exit 2."""
+    from segment.run.api import check_method
+
     t_build = time.perf_counter()
     backbone = _instantiate_model(cfg, ctx.device)
     for s in specs:
         try:
-            s.method.capture(backbone.num_layers)
+            check_method(s.method, backbone)
         except (ValueError, TypeError) as e:
             raise ConfigError(f"method {s.label!r} cannot run on this model: {e}") from e
     timing.build_s = time.perf_counter() - t_build
     return backbone
 
 
-def input_size_groups(backbone: Any, images: Sequence[Any]) -> list[list[int]]:
+def input_size_groups(backbone: Backbone, images: Sequence[Any]) -> list[list[int]]:
     """The positions of ``images`` grouped by the backbone's input size for each
     (:meth:`segment.models.base.Backbone.input_size`; one group, in order, when every image
-    gets the same size), groups in the order of their first image."""
-    size_of = getattr(backbone, "input_size", None)
-    if not callable(size_of):
-        return [list(range(len(images)))]
+    gets the same size: ``None``), groups in the order of their first image."""
     groups: dict[Any, list[int]] = {}
     for j, im in enumerate(images):
-        groups.setdefault(size_of(im), []).append(j)
+        groups.setdefault(backbone.input_size(im), []).append(j)
     return list(groups.values())
 
 
 def _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at, fallbacks,
-           timing: _Timing, backbone: Any) -> None:
+           timing: _Timing, backbone: Backbone) -> None:
     from torch.utils.data import DataLoader, Subset
     from tqdm import tqdm
 
@@ -1129,11 +1134,11 @@ def _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at, fall
 
 
 def _score_batch(cfg, dataset, specs, batch, idx, states, cache, out_dir, mask_at, fallbacks,
-                 timing: _Timing, backbone: Any) -> None:
+                 timing: _Timing, backbone: Backbone) -> None:
     """Score the images ``batch`` (data set indices ``idx``, one input size) with every
     method that lacks them: one backbone pass, then the metric states, cache files and panels."""
-    prompted = hasattr(backbone, "default_class")  # text-conditioned (FLUX)
-    default_class = getattr(backbone, "default_class", None)
+    prompted = backbone.text_conditioned  # FLUX: a class word per image, else the default
+    default_class = backbone.default_class
     panels = int(cfg.get("panels", 4) or 0)
     need = [s for s in specs if any(s.key not in states[i] for i in idx)]
     capture = union_capture([s.method for s in need], backbone.num_layers)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 from PIL import Image
@@ -17,19 +18,36 @@ from segment.core.record import AttentionRecord, Capture
 
 
 class Backbone(abc.ABC):
-    """A model whose attention is read as Markov chains.
+    """A model whose attention is read as Markov chains: everything callers use of a model.
+
+    ``segment``, ``segment-eval``, ``segment-diagnose``, the API and the benchmarks reach a
+    model only through these names (no ``getattr``/``hasattr`` on a backbone).
 
     Attributes:
         name: short name for tables and manifests.
         num_layers: number of attention layers (blocks) that can be captured.
         num_heads: attention heads per layer.
         device: where the model runs.
+        patch_size: ``(ph, pw)`` pixels of the preprocessed input per grid token (a ViT's
+            patch; a DiT's input pixels per latent token): the smallest image worth one token.
+        text_conditioned: whether :meth:`extract` is prompted with a class name per image
+            (FLUX); a text-conditioned backbone falls back to :attr:`default_class`.
+        default_class: the class word a text-conditioned backbone is prompted with when an
+            image has none (``None`` = such images are refused); ``None`` for the others.
+        provides_pixels: whether :meth:`extract`'s records carry the input image
+            (``AttentionRecord.pixels``, RGB in ``[0, 1]``) that pixel-level method knobs read
+            (``regions``' ``refine_steps``); methods that need it are refused on a backbone
+            without it, before the first batch (``segment.run.api.check_method``).
     """
 
     name: str
     num_layers: int
     num_heads: int
     device: torch.device
+    patch_size: tuple[int, int]
+    text_conditioned: ClassVar[bool] = False
+    provides_pixels: ClassVar[bool] = False
+    default_class: str | None = None
 
     @abc.abstractmethod
     def preprocess(self, image: Image.Image) -> Tensor:

@@ -623,6 +623,9 @@ class FluxBackbone(Backbone):
             runs (text encoders, VAE, transformer), like diffusers' model CPU offload.
     """
 
+    text_conditioned = True  # prompted with a class word per image (default_class without one)
+    provides_pixels = False  # records carry no RGB input: pixel-level method knobs are refused
+
     def __init__(
         self,
         components: FluxComponents,

@@ -235,6 +235,9 @@ class TimmViT(Backbone):
             a multiple of the patch size.
     """
 
+    text_conditioned = False  # prompts are ignored
+    provides_pixels = True  # records carry the input as RGB in [0, 1] (AttentionRecord.pixels)
+
     def __init__(
         self,
         arch: str,

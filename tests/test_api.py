@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -85,6 +86,11 @@ def test_load_builds_what_the_overrides_say():
         segment.load("vit_tiny_random", "cls_attention", device="cpu", label_upsampling="nearest")
     assert segment.load("vit_tiny_random", "kmeans", device="cpu",
                         label_upsampling="nearest").label_upsampling == "nearest"
+    # the model is a Backbone (models/base.py: every name callers use), not any object
+    with pytest.raises(TypeError, match="backbone must be a segment.models.base.Backbone, got"
+                                        " SimpleNamespace"):
+        Segmenter(SimpleNamespace(num_layers=2, name="x"), seg.method)
+    assert repr(seg) == "Segmenter(vit_tiny_random/bounce, device=cpu)"
 
 
 def test_label_upsampling_setting():

@@ -1,4 +1,4 @@
-"""k-means of the keys (segment.core.clusters, segment.methods.KMeansKeys) on planted clusters,
+"""k-means of the keys (segment.core.clusters, segment.backends, segment.methods.KMeansKeys) on planted clusters,
 and the method on a tiny random ViT through its config."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 
-from segment.core.clusters import kmeans_labels, token_features
+from segment.backends import kmeans_labels
+from segment.core.clusters import token_features
 from segment.core.record import AttentionRecord, TokenLayout
 from segment.methods import KMeansKeys
 

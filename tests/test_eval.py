@@ -454,7 +454,8 @@ def test_unknown_class_falls_back_per_image_and_is_counted(tmp_path, counting, m
     """One image with an unknown synset: only that image is prompted with the default class
     (the others keep theirs), and results.json counts the fallback."""
     seen = _prompt_spy(tmp_path, monkeypatch, ["n02084071", "n00000042", "n07747607"])
-    monkeypatch.setattr(CountingBackbone, "default_class", "object", raising=False)  # as FLUX
+    monkeypatch.setattr(CountingBackbone, "text_conditioned", True, raising=False)  # as FLUX
+    monkeypatch.setattr(CountingBackbone, "default_class", "object", raising=False)
     out = tmp_path / "out"
     cfg = cfg_for(*TINY, "dataset=imagenet_seg", f"dataset.root={tmp_path}", f"output={out}",
                   "batch_size=3")

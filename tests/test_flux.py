@@ -623,6 +623,78 @@ def test_segment_end_to_end_flux_tiny(tmp_path):
     assert (out / "run.json").is_file()
 
 
+def test_the_backbone_contract_of_flux_and_vit(backbone):
+    """What callers read of a backbone, declared by models/base.py's Backbone: FLUX is
+    text-conditioned (a default class word) and its records carry no pixels; a ViT is not
+    text-conditioned and its records carry the input image."""
+    from hydra.utils import instantiate
+    from segment.models.base import Backbone
+
+    assert isinstance(backbone, Backbone)
+    assert backbone.text_conditioned and not backbone.provides_pixels
+    assert backbone.default_class == "object" and backbone.name == "flux_tiny"
+    assert backbone.patch_size == (8, 8)  # 64 px over 8 x 8 latent tokens
+    rec = backbone.extract(backbone.collate([_photo(64, 64)]), Capture(layers=(0,)))
+    assert rec.pixels is None  # what provides_pixels says
+    vit = instantiate(_compose("segment", ["model=vit_tiny_random", "device=cpu"]).model)
+    assert isinstance(vit, Backbone) and vit.provides_pixels and not vit.text_conditioned
+    assert vit.default_class is None
+    rec = vit.extract(vit.collate([_photo(64, 64)]), Capture(layers=(0,)))
+    assert rec.pixels is not None and rec.pixels.shape[1] == 3
+
+
+def _photo(h, w):
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def test_a_knob_that_needs_pixels_is_refused_on_flux_by_name(backbone, tmp_path, caplog, capsys):
+    """regions' refine_steps >= 1 walks the input image, which FLUX records do not carry:
+    refused before the first batch, one line naming the knob and the model (segment,
+    segment-eval, the API), instead of silently not refining. refine_steps=0 runs."""
+    import segment
+    from segment.eval.runner import run_eval
+    from segment.methods import RegionGrow
+    from segment.run.api import check_method
+    from segment.run.pipeline import run_segment
+
+    with pytest.raises(ValueError, match=r"^regions: refine_steps=2 reads the input image, which model"
+                                         r" flux_tiny does not provide .*set method.refine_steps=0$"):
+        check_method(RegionGrow(name="regions", refine_steps=2), backbone)
+    assert check_method(RegionGrow(name="regions", refine_steps=0), backbone) == \
+        RegionGrow(refine_steps=0).capture(backbone.num_layers)
+    with pytest.raises(ValueError, match="refine_steps=3 reads the input image, which model flux_tiny"):
+        segment.load(model="flux_tiny", method="regions", device="cpu")
+
+    common = ["model=flux_tiny", "method=regions", "device=cpu", "progress=false",
+              "render.fsync=false", "num_workers=1"]
+    out = tmp_path / "refused"
+    with caplog.at_level("ERROR"):
+        assert run_segment(_compose("segment", [f"output='{out}'", *common])) == 2
+    assert "refine_steps=3 reads the input image, which model flux_tiny does not provide" in caplog.text
+    assert not (out / "masks").exists()
+
+    ok = tmp_path / "ok"
+    assert run_segment(_compose("segment", [f"output='{ok}'", *common, "method.refine_steps=0"])) == 0
+    assert sorted(p.name for p in (ok / "masks").glob("*.png")) == ["astronaut.png", "chelsea.png", "coffee.png"]
+    assert sorted(p.name for p in (ok / "labels").glob("*.png")) == ["astronaut.png", "chelsea.png", "coffee.png"]
+
+    import numpy as np
+    from test_datasets import write_gtsegs
+
+    mat = tmp_path / "gtsegs_ijcv.mat"
+    write_gtsegs(mat, [np.zeros((40, 56, 3), np.uint8)], [np.ones((40, 56), bool)], ["n02084071"])
+    cfg = _compose("eval", ["model=flux_tiny", "method=regions", "dataset=imagenet_seg",
+                            f"dataset.root={mat}", "device=cpu", "progress=false",
+                            f"output={tmp_path / 'eval'}"])
+    assert run_eval(cfg) == 2
+    assert ("segment-eval: method 'regions' cannot run on this model: regions: refine_steps=3 reads"
+            " the input image, which model flux_tiny does not provide") in capsys.readouterr().err
+    assert not (tmp_path / "eval" / "results.json").exists()
+
+
 def test_segment_eval_flux_experiment_end_to_end(tmp_path, monkeypatch):
     import json
 

@@ -17,6 +17,7 @@ from pycocotools.coco import COCO
 
 from segment.core.masks import MethodOutput
 from segment.core.record import AttentionRecord, Capture
+from segment.models.base import Backbone
 from segment.run.pipeline import SegmentRun, config_fingerprint, run_segment
 
 # pycocotools 2.0.11 + numpy 2: a deprecation warning inside annToMask, not ours
@@ -228,9 +229,11 @@ def test_single_image_input_and_output_inside_input(tmp_path):
 # ----------------------------------------------------------------------------- batching
 
 
-class CroppingBackbone:
+class CroppingBackbone(Backbone):
     """Wraps a backbone; preprocessing crops the input to a width chosen per image, so that
     images have different preprocessed sizes. Records the shape of every batch."""
+
+    provides_pixels = True
 
     def __init__(self, inner, width_of) -> None:
         self.inner, self.width_of = inner, width_of
@@ -244,6 +247,9 @@ class CroppingBackbone:
     def extract(self, pixels, capture, prompts=None):
         self.shapes.append(tuple(pixels.shape))
         return self.inner.extract(pixels, capture)
+
+    def forward_plain(self, pixels):
+        return self.inner.forward_plain(pixels)
 
 
 @pytest.mark.parametrize("mode", ["orientation", "many_sizes"])

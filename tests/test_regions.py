@@ -1,4 +1,4 @@
-"""Seed and grow (segment.core.regions, methods.RegionGrow): planted metastable blocks must be
+"""Seed and grow (segment.core.regions, segment.backends, methods.RegionGrow): planted metastable blocks must be
 recovered exactly; every piece checked against hand computations."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from segment import backends
 from segment.core import regions as rg
 from segment.core.masks import to_masks
 from segment.core.record import AttentionRecord, Capture, TokenLayout
@@ -147,14 +148,14 @@ def test_connected_regions_split_and_absorb():
     lab[0, 1:4, 1:4] = 1  # two separate blobs of label 1
     lab[0, 6:9, 6:9] = 1
     lab[0, 0, 9] = 2  # a one-pixel speck
-    out = rg.connected_regions(lab)
+    out = backends.connected_regions(lab)
     assert int(out.max()) + 1 == 4  # background, two blobs, speck
     assert out[0, 2, 2] != out[0, 7, 7]
-    absorbed = rg.connected_regions(lab, min_area=2)
+    absorbed = backends.connected_regions(lab, min_area=2)
     assert int(absorbed.max()) + 1 == 3
     assert absorbed[0, 0, 9] == absorbed[0, 0, 0]  # the speck joined the background
-    # the GPU path (kornia union-find) finds the same components (it runs on CPU tensors too)
-    cc = rg.relabel(rg._components_cuda(lab))
+    # the GPU back-end (kornia union-find) finds the same components (it runs on CPU tensors too)
+    cc = rg.relabel(backends.components(lab, "kornia"))
     assert same_partition(cc, out)
 
 
@@ -644,7 +645,7 @@ def test_default_recipe_on_planted_chains():
 
 
 def _maxpool_growth(cur: torch.Tensor) -> torch.Tensor:
-    """The reference growth of _absorb_small: whole-image 3x3 max-pools until filled."""
+    """The reference growth of rg.absorb_small: whole-image 3x3 max-pools until filled."""
     h, w = cur.shape[-2:]
     for _ in range(h + w):
         missing = cur < 0
@@ -657,7 +658,7 @@ def _maxpool_growth(cur: torch.Tensor) -> torch.Tensor:
 
 
 def _hole_growth(cur: np.ndarray) -> np.ndarray:
-    """rg._grow_holes on ``(B, H, W)`` ids with holes ``cur < 0`` (a padded grid: the frame
+    """backends._grow_holes (the scikit-image path's hole growth) on ``(B, H, W)`` ids with holes ``cur < 0`` (a padded grid: the frame
     stands for the neighbours outside the image)."""
     b, h, w = cur.shape
     grid = np.zeros((b, h + 2, w + 2), dtype=np.int64)  # ids + 1; 0 = none (frame, holes)
@@ -666,7 +667,7 @@ def _hole_growth(cur: np.ndarray) -> np.ndarray:
     bi, yi, xi = np.nonzero(cur < 0)
     todo = np.ravel_multi_index((bi, yi + 1, xi + 1), grid.shape)
     step = np.array([-row - 1, -row, -row + 1, -1, 1, row - 1, row, row + 1])
-    rg._grow_holes(grid.reshape(-1), todo, todo[:, None] + step)
+    backends._grow_holes(grid.reshape(-1), todo, todo[:, None] + step)
     return grid[:, 1:-1, 1:-1] - 1
 
 
@@ -694,13 +695,19 @@ def test_components_are_numbered_by_value_then_first_pixel_on_both_paths():
                           [0, 0, 0, 1],
                           [4, 2, 0, 5],
                           [4, 2, 2, 5]]])
-    assert torch.equal(rg._components_cpu(lab), want)
-    assert torch.equal(rg._components_cuda(lab), want)  # kornia's union-find, here on the CPU
+    assert backends.components_backend("cpu") == "skimage"
+    assert backends.components_backend("cuda:0") == "kornia"
+    assert torch.equal(backends.components(lab), want)  # the CPU default: scikit-image
+    assert torch.equal(backends.components(lab, "skimage"), want)
+    assert torch.equal(backends.components(lab, "kornia"), want)  # kornia's union-find, here on the CPU
+    with pytest.raises(ValueError, match="unknown connected-components backend 'scipy'"):
+        backends.components(lab, "scipy")
     g = torch.Generator().manual_seed(1)
     for _ in range(20):
         grid = torch.randn(2, 5, 4, 6, generator=g)
         hard = torch.nn.functional.interpolate(grid, size=(23, 31), mode="bilinear").max(1).indices
-        assert torch.equal(rg._components_cpu(hard * 3 + 1), rg._components_cuda(hard * 3 + 1))
+        assert torch.equal(backends.components(hard * 3 + 1, "skimage"),
+                           backends.components(hard * 3 + 1, "kornia"))
 
 
 def _greedy_leaders(near, valid):
@@ -732,22 +739,23 @@ def test_leaders_follow_the_greedy_sweep():
 
 @pytest.mark.parametrize("min_area", [0, 3, 12, 40])
 def test_connected_regions_on_the_cpu_equal_the_batched_torch_path(min_area):
-    # numpy image by image (scikit-image, hole growth) vs the CUDA path's torch code (kornia's
-    # union-find, max-pool growth) run on the CPU: the same labels, ids included
+    # the scikit-image back-end (numpy image by image, hole growth) vs the kornia back-end
+    # (the CUDA default: union-find, max-pool growth) run on the CPU: the same labels, ids
+    # included
     g = torch.Generator().manual_seed(min_area)
     for _ in range(15):
         grid = torch.randn(3, 6, 5, 7, generator=g)
         hard = torch.nn.functional.interpolate(grid, size=(27, 33), mode="bilinear").max(1).indices
         hard[1] = hard[1] % 2  # fewer, larger regions in one image
         hard[2, :, :] = 4  # one region
-        got = rg.connected_regions(hard * 2 - 3, min_area=min_area)
-        assert torch.equal(got, rg._connected_regions_torch(hard * 2 - 3, min_area=min_area))
+        got = backends.connected_regions(hard * 2 - 3, min_area=min_area)
+        assert torch.equal(got, backends.connected_regions(hard * 2 - 3, min_area, backend="kornia"))
     threads = torch.get_num_threads()
     try:  # the images of a batch one after the other, or side by side on a thread pool
         torch.set_num_threads(1)
-        one = rg.connected_regions(hard * 2 - 3, min_area=min_area)
+        one = backends.connected_regions(hard * 2 - 3, min_area=min_area)
         torch.set_num_threads(3)
-        assert torch.equal(rg.connected_regions(hard * 2 - 3, min_area=min_area), one)
+        assert torch.equal(backends.connected_regions(hard * 2 - 3, min_area=min_area), one)
     finally:
         torch.set_num_threads(threads)
 
@@ -765,8 +773,8 @@ def test_connected_regions_absorb_specks_on_borders_and_corners_as_the_torch_pat
         noise = torch.rand(2, h, w, generator=g) < 0.3
         lab = torch.where(noise, torch.randint(3, 9, (2, h, w), generator=g), lab)
         lab[:, 0, 0], lab[:, -1, -1] = 11, 12  # one-pixel corner specks
-        got = rg.connected_regions(lab, min_area=min_area)
-        assert torch.equal(got, rg._connected_regions_torch(lab, min_area=min_area))
+        got = backends.connected_regions(lab, min_area=min_area)
+        assert torch.equal(got, backends.connected_regions(lab, min_area, backend="kornia"))
 
 
 @pytest.mark.parametrize("min_area", [None, 0, 5])
@@ -780,12 +788,12 @@ def test_argmax_regions_equal_the_batched_argmax_of_the_upsampled_maps(min_area)
         maps[i, :c] = torch.softmax(torch.randn(c, 6, 7, generator=g) * 3, 0)
     hard = torch.nn.functional.interpolate(maps, size=(40, 50), mode="bilinear",
                                            align_corners=False).max(1).indices
-    want = hard if min_area is None else rg.connected_regions(hard, min_area=min_area)
+    want = hard if min_area is None else backends.connected_regions(hard, min_area=min_area)
     threads = torch.get_num_threads()
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            got = rg.argmax_regions(maps, counts, (40, 50), min_area)
+            got = backends.argmax_regions(maps, counts, (40, 50), min_area)
             assert torch.equal(got, want)
     finally:
         torch.set_num_threads(threads)

@@ -11,8 +11,8 @@ device, and compares them within the tolerance printed next to it:
   method ``concept_attention`` on the tiny FLUX record), run on the device from the CPU's
   record moved there: heatmap error, mask disagreement away from the threshold, agreement
   of the region partitions;
-- **regions**: kornia's union-find connected components (the CUDA path of
-  :func:`segment.core.regions.connected_regions`) against scikit-image's, ids and all, exactly;
+- **regions**: kornia's union-find connected components (the CUDA back-end of
+  :func:`segment.backends.connected_regions`) against scikit-image's, ids and all, exactly;
   :func:`segment.core.masks.smooth_labels_at` on the device against the CPU, exactly;
 - **markov**: TokenRank on the device against the CPU, ``|lambda_2|`` (fast path, fp32) on
   the device against dense float64 eigenvalues on the CPU (protocol: 1e-4);
@@ -317,7 +317,7 @@ class SelfCheck:
     def check_regions(self) -> None:
         """kornia union-find (the CUDA path) against scikit-image's connected components:
         the same components with the same ids (numbered by value, then first pixel)."""
-        from segment.core import regions as rg
+        from segment import backends
 
         g = torch.Generator().manual_seed(0)
         b, h, w = (4, 32, 32) if self.quick else (8, 64, 64)
@@ -325,16 +325,16 @@ class SelfCheck:
         lab = torch.nn.functional.interpolate(coarse, size=(h, w), mode="nearest")[:, 0].long()
         noise = torch.rand(b, h, w, generator=g) < 0.08  # specks and thin bridges
         lab = torch.where(noise, torch.randint(0, 5, (b, h, w), generator=g), lab)
-        ref, t_cpu = _timed(lambda: rg._components_cpu(lab), self.cpu)  # scikit-image
+        ref, t_cpu = _timed(lambda: backends.components(lab, "skimage"), self.cpu)
         lab_d = lab.to(self.device)
-        rg._components_cuda(lab_d)  # warm-up
-        got, t_dev = _timed(lambda: rg._components_cuda(lab_d), self.device)  # kornia
+        backends.components(lab_d, "kornia")  # warm-up
+        got, t_dev = _timed(lambda: backends.components(lab_d, "kornia"), self.device)
         bad = sum(not torch.equal(ref[i], got[i].cpu()) for i in range(b))
         self.add("regions", f"kornia vs scikit-image components ({b}x{h}x{w})", "images differing", bad, 0,
                  cpu_ms=t_cpu, device_ms=t_dev, note=f"{int(ref.flatten(1).amax(1).sum()) + b} components")
         area = max(1, h * w // 200)
-        ref = rg.connected_regions(lab, min_area=area)
-        got = rg.connected_regions(lab.to(self.device), min_area=area).cpu()
+        ref = backends.connected_regions(lab, min_area=area)  # scikit-image
+        got = backends.connected_regions(lab.to(self.device), min_area=area).cpu()  # kornia
         bad = sum(not torch.equal(ref[i], got[i]) for i in range(b))
         self.add("regions", f"connected_regions min_area={area}", "images differing", bad, 0)
         from segment.core.masks import (

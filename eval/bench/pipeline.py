@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from segment.models.base import Backbone
 from segment.utils import atomic_write_json, torch_threads
 
 _DEFAULT_CKPT = "weights/dinov2_vits14.safetensors"
@@ -136,7 +137,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _stage_costs(backbone: Any, method: Any, files: list, batches: list, n: int, out: Path,
+def _stage_costs(backbone: Backbone, method: Any, files: list, batches: list, n: int, out: Path,
                  cfg: Any) -> dict[str, float]:
     """CPU milliseconds per image of each stage run alone, one after the other (no overlap).
 
@@ -158,7 +159,7 @@ def _stage_costs(backbone: Any, method: Any, files: list, batches: list, n: int,
     from segment.run.pipeline import config_fingerprint
 
     opts = RenderOptions(**OmegaConf.to_container(cfg.render, resolve=True))
-    device = torch.device(getattr(backbone, "device", "cpu"))
+    device = torch.device(backbone.device)
     c0 = time.process_time()
     with torch_threads(1):  # as the pipeline's reader threads
         loaded = [read_image(f.path) for f in files]
@@ -226,7 +227,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         backbone = instantiate(cfg.model)
         method = instantiate(cfg.method)
         load_s = time.perf_counter() - t0
-        device = torch.device(getattr(backbone, "device", args.device))
+        device = torch.device(backbone.device)
         files = find_images(src).files
         n = len(files)
         if n == 0:
@@ -292,7 +293,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "images": n,
         "input": str(args.input) if args.input else "bundled examples (repeated)",
         "input_sizes": sorted({f"{p.shape[-1]}x{p.shape[-2]}" for p in pix}),
-        "model": getattr(backbone, "name", args.model),
+        "model": backbone.name,
         "weights": ckpt or "random (same compute)",
         "method": getattr(method, "name", args.method),
         "device": str(device),

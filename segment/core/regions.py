@@ -16,9 +16,10 @@ states do not. The stage, all batched in torch (CPU or CUDA unchanged):
    upsampled to the image, optionally refined by a few bounces of a *pixel* chain (an
    edge-aware random walk on colour and position, :func:`pixel_chain_refine`), then the
    argmax;
-5. **connectivity**: every region is split into its connected components (scikit-image on
-   CPU, kornia's union-find on CUDA: the same ids), tiny components are absorbed by their
-   neighbours (:func:`connected_regions`);
+5. **connectivity**: every region is split into its connected components, tiny components
+   are absorbed by their neighbours (``segment.backends.connected_regions``: scikit-image on
+   CPU, kornia's union-find on CUDA, the same ids; the numbering and the absorption in
+   torch are here: :func:`number_components`, :func:`absorb_small`);
 6. **foreground** (binary tasks): a region is foreground when the mean of a score map
    (e.g. the CLS attention) inside it exceeds the map's mean over the image: the
    protocol's mean-threshold rule applied to regions instead of pixels
@@ -28,9 +29,6 @@ states do not. The stage, all batched in torch (CPU or CUDA unchanged):
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,10 +40,11 @@ from segment.core import markov
 
 __all__ = [
     "Proposals",
-    "connected_regions",
+    "absorb_small",
     "grid_seeds",
     "key_chain",
     "merge_proposals",
+    "number_components",
     "pixel_chain_refine",
     "propagate",
     "region_scores",
@@ -468,154 +467,7 @@ def _replicate_border(xp: Tensor, pad: int) -> None:
     xp[..., pad + h:, :].copy_(xp[..., pad + h - 1: pad + h, :].expand_as(xp[..., pad + h:, :]))
 
 
-def connected_regions(labels: Tensor, min_area: int = 0) -> Tensor:
-    """Split every region into its connected components and absorb tiny ones.
-
-    Components are 8-connected (scikit-image's ``label`` on CPU, kornia's exact
-    ``connected_components_union_find`` on CUDA: the same components, numbered alike by
-    label value, then first pixel). Components smaller than ``min_area`` pixels are filled
-    by the kept regions around them (:func:`_absorb_small`).
-
-    Args:
-        labels: ``(B, H, W)`` integer region labels.
-        min_area: components with fewer pixels are absorbed (0 = keep all).
-
-    Returns:
-        ``(B, H, W)`` long labels ``0 .. K_b - 1`` per image, one per component.
-    """
-    if labels.dim() != 3:
-        raise ValueError(f"labels must be (B, H, W), got {tuple(labels.shape)}")
-    if not labels.is_cuda:  # numpy, image by image: the same labels as the torch path
-        lab = labels.detach().cpu().numpy()
-        out = _map_images(lambda i: _regions_cpu(lab[i], int(min_area)), lab.shape[0])
-        return torch.from_numpy(np.stack(out)).to(labels.device)
-    return _connected_regions_torch(labels, min_area)
-
-
-_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (pid, threads): none across a fork
-
-
-def _map_images(fn: Callable[[int], np.ndarray], n: int) -> list[np.ndarray]:
-    """``[fn(0), ..., fn(n - 1)]`` on torch's intra-op thread count (numpy, scikit-image and
-    torch release the GIL, so the images of a batch run side by side as torch's own ops do;
-    torch operations in ``fn`` run on one thread each)."""
-    threads = min(n, torch.get_num_threads())
-    if threads <= 1:
-        return [fn(i) for i in range(n)]
-    key = (os.getpid(), threads)
-    pool = _POOLS.get(key)
-    if pool is None:
-        pool = _POOLS[key] = ThreadPoolExecutor(threads, thread_name_prefix="segment-regions",
-                                                initializer=torch.set_num_threads, initargs=(1,))
-    return list(pool.map(fn, range(n)))
-
-
-def argmax_regions(maps: Tensor, counts: Sequence[int], size: tuple[int, int],
-                   min_area: int | None = 0) -> Tensor:
-    """Every pixel's most likely map, upsampled bilinearly, as regions.
-
-    Args:
-        maps: ``(B, K, h, w)`` soft maps on the grid; image ``b`` uses its first
-            ``counts[b]`` (the slots after them pad the batch: zero maps, never the first
-            maximum).
-        counts: maps per image.
-        size: ``(H, W)`` the output size.
-        min_area: ``None`` = the argmax ids themselves; else their
-            :func:`connected_regions` with specks under ``min_area`` pixels absorbed.
-
-    Returns:
-        ``(B, H, W)`` long labels. On the CPU image by image, each on one thread, the images
-        side by side (:func:`_map_images`: 1.3x faster on two threads than the batch's
-        operations split over both); on CUDA the whole batch at once.
-    """
-    if maps.is_cuda:
-        hard = F.interpolate(maps, size=size, mode="bilinear", align_corners=False).max(1).indices
-        return hard if min_area is None else connected_regions(hard, min_area=min_area)
-    # the maps innermost (channels last: a contiguous max, 3x faster than over planes)
-    maps = maps.contiguous(memory_format=torch.channels_last)
-
-    def one(i: int) -> np.ndarray:
-        part = maps[i: i + 1, : max(1, int(counts[i]))]
-        hard = F.interpolate(part, size=size, mode="bilinear", align_corners=False).max(1).indices
-        return hard[0].numpy() if min_area is None else _regions_cpu(hard[0].numpy(), int(min_area))
-
-    return torch.from_numpy(np.stack(_map_images(one, maps.shape[0])))
-
-
-def _connected_regions_torch(labels: Tensor, min_area: int = 0) -> Tensor:
-    """:func:`connected_regions` batched in torch (the CUDA path; on the CPU, its reference)."""
-    comp = _components_cuda(labels)
-    if min_area > 0:
-        comp = _absorb_small(comp, int(min_area))
-    return relabel(comp)
-
-
-def _regions_cpu(lab: np.ndarray, min_area: int) -> np.ndarray:
-    """:func:`connected_regions` of one ``(H, W)`` label map in numpy.
-
-    scikit-image numbers the components ``1 .. m`` in the raster order of their first pixel,
-    so a stable sort by label value gives :func:`_number_components`' order. Specks are
-    absorbed as :func:`_absorb_small` does: the kept components, ranked by (area, id), grow
-    into them (:func:`_grow_holes`); the ids left are renumbered ``0 .. K - 1`` in order.
-    Past the scikit-image pass everything is a table per component, gathered by the pixels
-    in contiguous passes (label values, areas, the kept ids, the result); only the hole
-    pixels are visited one by one.
-    """
-    from skimage.measure import label as components
-
-    h, w = lab.shape
-    cc, m = components(lab, background=int(lab.min()) - 1, connectivity=2, return_num=True)
-    flat = cc.ravel()
-    value = np.empty(m + 1, dtype=lab.dtype)
-    value[flat] = lab.ravel()
-    rank = np.zeros(m + 1, dtype=np.int64)  # scikit-image id -> id by (value, first pixel)
-    rank[1 + np.argsort(value[1:], kind="stable")] = np.arange(m)
-    if min_area <= 0:
-        return rank[cc]
-    area = np.empty(m, dtype=np.int64)
-    area[rank[1:]] = np.bincount(flat, minlength=m + 1)[1:]
-    small = area < min_area
-    if not small.any() or small.all():  # nothing to absorb / only specks: all kept
-        return rank[cc]
-    order = np.lexsort((np.arange(m), area))  # by area, then id: a tie joins the largest
-    by_area = np.empty(m, dtype=np.int64)
-    by_area[order] = np.arange(m)
-    # the growth runs on the area ranks + 1 of the kept pixels (0 in holes), with one more
-    # slot, always 0, that stands for every neighbour outside the image
-    grow = np.zeros(m + 1, dtype=np.int64)
-    grow[1:] = np.where(small, 0, by_area + 1)[rank[1:]]
-    cur = np.zeros(h * w + 1, dtype=np.int64)
-    np.take(grow, flat, out=cur[:-1])
-    holes = np.flatnonzero(cur[:-1] == 0)
-    y, x = np.divmod(holes[:, None], w)
-    y, x = y + _DY, x + _DX  # (holes, 8) the neighbours
-    inside = (y >= 0) & (y < h) & (x >= 0) & (x < w)
-    _grow_holes(cur, holes, np.where(inside, y * w + x, h * w))
-    kept = np.zeros(m, dtype=np.int64)
-    kept[~small] = 1
-    final = np.zeros(m + 1, dtype=np.int64)  # area rank + 1 -> kept id, renumbered in order
-    final[1:] = (np.cumsum(kept) - 1)[order]
-    return final[cur[:-1]].reshape(h, w)
-
-
-def _components_cpu(labels: Tensor) -> Tensor:
-    """8-connected components of equal labels numbered ``0 .. n_b - 1`` per image by (label
-    value, first pixel): :func:`connected_regions` without absorption (scikit-image)."""
-    return connected_regions(labels.cpu(), 0).to(labels.device)
-
-
-def _components_cuda(labels: Tensor) -> Tensor:
-    from kornia.contrib import connected_components_union_find
-
-    b, h, w = labels.shape
-    lab = relabel(labels)
-    k = int(lab.max()) + 1
-    onehot = F.one_hot(lab, k).permute(0, 3, 1, 2).reshape(b * k, 1, h, w)
-    cc = connected_components_union_find(onehot).view(b, k, h, w).sum(1)  # ids are unique
-    return _number_components(cc, lab)
-
-
-def _number_components(cc: Tensor, labels: Tensor) -> Tensor:
+def number_components(cc: Tensor, labels: Tensor) -> Tensor:
     """Components ``cc`` (any unique ids) numbered ``0 .. n_b - 1`` per image by (label
     value, raster position of the first pixel): one numbering on every device."""
     ids = relabel(cc)
@@ -646,13 +498,13 @@ def relabel(labels: Tensor) -> Tensor:
     return torch.gather(new_id, 1, lab.flatten(1)).view_as(lab)
 
 
-def _absorb_small(labels: Tensor, min_area: int) -> Tensor:
+def absorb_small(labels: Tensor, min_area: int) -> Tensor:
     """Components under ``min_area`` pixels take the labels of their kept neighbours.
 
     The kept regions grow into the removed pixels one 8-neighbourhood step at a time (a
     max-pool of the ids ranked by area), so every removed pixel ends up with the label of
-    the nearest kept region, the largest of them on a tie (batched in torch; the CPU path
-    :func:`_regions_cpu` grows hole pixels only, to the same labels). An image whose
+    the nearest kept region, the largest of them on a tie (batched in torch; the scikit-image
+    path of ``segment.backends`` grows hole pixels only, to the same labels). An image whose
     components are all small keeps them.
     """
     lab = relabel(labels)
@@ -680,28 +532,6 @@ def _absorb_small(labels: Tensor, min_area: int) -> Tensor:
         grown = grown.squeeze(1).long() - 1
         cur = torch.where(missing & (grown >= 0), grown, cur)
     return torch.gather(order, 1, cur.flatten(1).clamp_min(0)).view_as(cur)  # back to the ids
-
-
-_DY = np.array([-1, -1, -1, 0, 0, 1, 1, 1])  # the 8 neighbours of a pixel
-_DX = np.array([-1, 0, 1, -1, 1, -1, 0, 1])
-
-
-def _grow_holes(flat: np.ndarray, holes: np.ndarray, around: np.ndarray) -> None:
-    """Fill the ``holes`` of flat ids + 1 (0 = none) in place, ``around`` ``(len(holes),
-    8)`` the indices of each hole's 8 neighbours (an index that holds 0 for a neighbour
-    outside the image).
-
-    Every step, each unfilled pixel takes the largest id among its 8 neighbours (as
-    :func:`_absorb_small`'s max-pool does), all at once; only the hole pixels are
-    gathered, so a step costs ``O(hole pixels)`` instead of ``O(image)``.
-    """
-    while holes.size:
-        grown = flat[around].max(1)
-        fill = grown > 0
-        if not fill.any():  # a hole with no labelled rim (never, with kept regions)
-            break
-        flat[holes[fill]] = grown[fill]
-        holes, around = holes[~fill], around[~fill]
 
 
 def region_scores(labels: Tensor, score: Tensor, num: int | None = None) -> Tensor:

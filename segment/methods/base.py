@@ -232,6 +232,13 @@ class Method(abc.ABC):
             average_layers=self.average_layers and len(layers) > 1,
         )
 
+    def pixel_knobs(self) -> tuple[str, ...]:
+        """This method's settings, as ``knob=value``, that read the input image
+        (``AttentionRecord.pixels``) with the current settings; a backbone whose records carry
+        none (``Backbone.provides_pixels`` false: FLUX) refuses them before the first batch
+        (``segment.run.api.check_method``). Default: none."""
+        return ()
+
     # the heatmap --------------------------------------------------------------------------
 
     def __call__(self, record: AttentionRecord) -> MethodOutput:

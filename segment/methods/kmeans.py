@@ -78,8 +78,8 @@ class KMeansKeys(Method):
         return torch.cat(feats, -1)
 
     def __call__(self, record: AttentionRecord) -> MethodOutput:
+        from segment.backends import kmeans_labels
         from segment.core import regions as rg
-        from segment.core.clusters import kmeans_labels
 
         h, w = record.layout.grid
         feats = self.features(record)  # (B, n, F)

@@ -247,6 +247,7 @@ class RegionGrow(Method):
     # the stage -----------------------------------------------------------------------------
 
     def __call__(self, record: AttentionRecord) -> MethodOutput:
+        from segment import backends
         from segment.core import regions as rg
 
         layout = record.layout
@@ -277,6 +278,8 @@ class RegionGrow(Method):
         prop_score = rg.region_scores(grid_prob.max(1).indices, cls, kp)
         prop_fg = prop_score > cls.flatten(1).mean(1, keepdim=True)
 
+        # a hand-built record without pixels is not refined; a backbone whose records carry
+        # none is refused with refine_steps >= 1 before it runs (segment.run.api.check_method)
         if int(self.refine_steps) > 0 and record.pixels is not None:
             prob = self._refine(grid_prob, record.pixels, size)
         else:
@@ -284,7 +287,7 @@ class RegionGrow(Method):
         hard = prob.max(1).indices  # (B, H, W) proposal of every pixel (max: faster than argmax)
         if self.connectivity:
             area = int(round(float(self.min_area) * size[0] * size[1]))
-            labels = rg.connected_regions(hard, min_area=area)
+            labels = backends.connected_regions(hard, min_area=area)
         else:
             labels = rg.relabel(hard)
         k = int(labels.max()) + 1
@@ -320,6 +323,10 @@ class RegionGrow(Method):
         if self.label_tau is not None and float(self.label_tau) < float(self.tau):
             labels, foreground = self._finer_regions(dist, kl, labels, foreground, (h, w))
         return MethodOutput(heatmap=heat, labels=labels, foreground=foreground)
+
+    def pixel_knobs(self) -> tuple[str, ...]:
+        """``refine_steps`` when the pixel chain runs (``>= 1``): it walks the input image."""
+        return (f"refine_steps={int(self.refine_steps)}",) if int(self.refine_steps) >= 1 else ()
 
     def _refine_px(self) -> tuple[int, int, float]:
         """The pixel chain's window at ``refine_scale``: ``(radius, dilation, sigma_space)``
@@ -384,6 +391,7 @@ class RegionGrow(Method):
         Returns:
             ``(B, H, W)`` labels and ``(B, K')`` foreground.
         """
+        from segment import backends
         from segment.core import regions as rg
 
         b, size = labels.shape[0], tuple(labels.shape[-2:])
@@ -393,7 +401,7 @@ class RegionGrow(Method):
         # every pixel's most likely proposal, over the image's own proposals (they come
         # first); components and specks before the cut: the mask stays exact
         area = int(round(float(self.min_area) * size[0] * size[1])) if self.connectivity else None
-        hard = rg.argmax_regions(grid_prob, fine.count.tolist(), size, area).to(labels.device)
+        hard = backends.argmax_regions(grid_prob, fine.count.tolist(), size, area).to(labels.device)
         new = rg.relabel(hard * 2 + mask.long())  # each region cut along the mask
         # every region lies on one side of the mask: its pixels write that side (ids an
         # image does not use stay background)

@@ -35,7 +35,9 @@ from PIL import Image
 from torch import Tensor
 
 from segment.core.masks import MethodOutput, label_upsampling_setting
-from segment.core.record import AttentionRecord
+from segment.core.record import AttentionRecord, Capture
+from segment.methods.base import Method
+from segment.models.base import Backbone
 from segment.run.front import (
     config_names,
     run_value_problem,
@@ -309,6 +311,28 @@ def _label_upsampling_for(value: str | None, method: Any) -> str:
     return setting
 
 
+def check_method(method: Any, backbone: Backbone) -> Capture:
+    """The capture ``method`` needs on ``backbone``, with every check of the method against
+    the model: the layers it selects (``ValueError`` for a layer the model lacks) and its
+    knobs that read the input image (:meth:`Method.pixel_knobs`) on a backbone whose records
+    carry none (``Backbone.provides_pixels``: FLUX). ``segment``, ``segment-eval`` and the
+    API call it once, before the first batch.
+
+    Raises:
+        ValueError: one line naming the method, the knob and the model.
+    """
+    capture = method.capture(backbone.num_layers)
+    if not backbone.provides_pixels and isinstance(method, Method):
+        knobs = method.pixel_knobs()
+        if knobs:
+            raise ValueError(
+                f"{method.name}: {', '.join(knobs)} reads the input image, which model"
+                f" {backbone.name} does not provide (its attention records carry no pixels);"
+                f" set {', '.join('method.' + k.split('=')[0] + '=0' for k in knobs)}"
+            )
+    return capture
+
+
 class Segmenter:
     """A backbone and a method, ready to segment images (build with :func:`load`).
 
@@ -323,21 +347,25 @@ class Segmenter:
         config: the composed config it was built from, when built from one.
     """
 
-    def __init__(self, backbone: Any, method: Any, *, batch_size: int = 8,
+    def __init__(self, backbone: Backbone, method: Any, *, batch_size: int = 8,
                  max_pixels: int | None = None, label_upsampling: str = "smooth",
                  config: DictConfig | None = None) -> None:
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not isinstance(backbone, Backbone):
+            raise TypeError(
+                f"backbone must be a segment.models.base.Backbone, got {type(backbone).__name__}"
+            )
         self.label_upsampling = _label_upsampling_for(label_upsampling, method)
         self.backbone = backbone
         self.method = method
         self.batch_size = int(batch_size)
         self.max_pixels = max_pixels
         self.config = config
-        self.capture = method.capture(backbone.num_layers)
+        self.capture = check_method(method, backbone)
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, *, backbone: Any = None, method: Any = None,
+    def from_config(cls, cfg: DictConfig, *, backbone: Backbone | None = None, method: Any = None,
                     model_overrides: dict[str, Any] | None = None) -> Segmenter:
         """Build from a composed config (``model``, ``method``, ``batch_size``, ``max_pixels``);
         an already built ``backbone`` / ``method`` is used as it is; ``model_overrides`` are
@@ -355,10 +383,10 @@ class Segmenter:
 
     @property
     def name(self) -> str:
-        return f"{getattr(self.backbone, 'name', '?')}/{getattr(self.method, 'name', type(self.method).__name__)}"
+        return f"{self.backbone.name}/{getattr(self.method, 'name', type(self.method).__name__)}"
 
     def __repr__(self) -> str:
-        return f"Segmenter({self.name}, device={getattr(self.backbone, 'device', '?')})"
+        return f"Segmenter({self.name}, device={self.backbone.device})"
 
     # the three stages the command runs (in its threads)
 

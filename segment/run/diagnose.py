@@ -33,6 +33,7 @@ from PIL import Image
 
 from segment.core import diagnostics as dg
 from segment.core.record import Capture
+from segment.models.base import Backbone
 from segment.run.front import config_names, suggest
 from segment.run.io import ImageReadError, InputError, bundled_examples, find_images, read_image
 from segment.utils import (
@@ -166,7 +167,7 @@ def _names(images: Sequence[Any]) -> list[str]:
 
 
 def measure_model(
-    backbone: Any,
+    backbone: Backbone,
     images: Sequence[Image.Image],
     names: Sequence[str],
     *,
@@ -250,7 +251,7 @@ def _model_config(name: str, checkpoint: str | os.PathLike | None, device: str,
     return cfg.model
 
 
-def _build(model_cfg: DictConfig, device: str) -> Any:
+def _build(model_cfg: DictConfig, device: str) -> Backbone:
     from hydra.utils import instantiate
 
     cfg = OmegaConf.create({"device": device, "model": model_cfg})

@@ -69,6 +69,7 @@ from torch import Tensor
 
 from segment.core.masks import MethodOutput, label_upsampling_setting
 from segment.core.record import AttentionRecord
+from segment.models.base import Backbone
 from segment.run import shard
 from segment.run.api import Segmenter
 from segment.run.io import (
@@ -176,13 +177,6 @@ def config_fingerprint(cfg: DictConfig) -> str:
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _patch_size(backbone: Any) -> tuple[int, int]:
-    p = getattr(backbone, "patch_size", 1)
-    if isinstance(p, int):
-        return (p, p)
-    return (int(p[0]), int(p[1]))
-
-
 def _describe(e: BaseException) -> str:
     """One line for an exception, unwrapping Hydra's instantiation wrapper."""
     e = unwrap_instantiation(e)
@@ -209,7 +203,7 @@ class SegmentRun:
             process.
     """
 
-    def __init__(self, cfg: DictConfig, *, backbone: Any = None, method: Any = None,
+    def __init__(self, cfg: DictConfig, *, backbone: Backbone | None = None, method: Any = None,
                  ctx: shard.DistContext | None = None) -> None:
         self.cfg = cfg
         self.ctx = ctx or shard.DistContext()
@@ -477,16 +471,16 @@ class SegmentRun:
         self.segmenter = Segmenter.from_config(self.cfg, backbone=self.backbone, method=self.method,
                                                model_overrides=on_rank)
         self.backbone, self.method = self.segmenter.backbone, self.segmenter.method
-        dev = torch.device(getattr(self.backbone, "device", self.device))
+        dev = torch.device(self.backbone.device)
         # CUDA: loader threads pin each image's pixels, the forward copies them asynchronously
         self.pin_memory = dev.type == "cuda"
         self.input_device = dev
         if self.num_workers == 0:  # a GPU forward is fast: more threads to decode and write
             self.num_workers = max(1, min(16 if dev.type == "cuda" else 4, os.cpu_count() or 1))
-        ph, pw = _patch_size(self.backbone)
-        self.min_hw = (int(self.min_size), int(self.min_size)) if self.min_size else (ph, pw)
-        log.info("model %s on %s, method %s", getattr(self.backbone, "name", "?"),
-                 getattr(self.backbone, "device", self.device), getattr(self.method, "name", type(self.method).__name__))
+        ph, pw = self.backbone.patch_size
+        self.min_hw = (int(self.min_size), int(self.min_size)) if self.min_size else (int(ph), int(pw))
+        log.info("model %s on %s, method %s", self.backbone.name, self.backbone.device,
+                 getattr(self.method, "name", type(self.method).__name__))
 
     # ------------------------------------------------------------------ stages
 
@@ -502,7 +496,7 @@ class SegmentRun:
             h, w = loaded.size
             mh, mw = self.min_hw
             if h < mh or w < mw:
-                what = f"one {mh}x{mw} patch of {getattr(self.backbone, 'name', 'the model')}" if not self.min_size else f"min_size={self.min_size}"
+                what = f"one {mh}x{mw} patch of {self.backbone.name}" if not self.min_size else f"min_size={self.min_size}"
                 raise ImageReadError(item.file.path, f"image is {w}x{h} px, smaller than {what}")
             item.loaded = loaded
             item.pixels = self.segmenter.preprocess(loaded.image)
@@ -749,7 +743,8 @@ class SegmentRun:
         ]
         skipped = failed + [{"path": p, "reason": r} for p, r in self.ignored]
         n_new = sum(s.status == "done" for s in self.statuses.values())
-        model_name = getattr(self.backbone, "name", None) or OmegaConf.select(self.cfg, "model.name", default="?")
+        model_name = (self.backbone.name if self.backbone is not None
+                      else OmegaConf.select(self.cfg, "model.name", default="?"))
         method_name = getattr(self.method, "name", None) or OmegaConf.select(self.cfg, "method.name", default="?")
         if self.files:
             self._write_run_file("annotations.json", write_coco, records, info={
