@@ -1,0 +1,154 @@
+"""Recursive normalized cuts (segment.core.cuts): planted metastable blocks with a known
+escape probability, the reversible part of a chain against float64 references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from segment.core import cuts
+
+
+def planted_affinity(k: int, m: int, eps: float, noise: float = 0.0, seed: int = 0) -> torch.Tensor:
+    """``(1, k m, k m)`` symmetric W whose chain leaves each of the k blocks of m tokens with
+    probability exactly ``eps`` per step (uniform within and across blocks)."""
+    n = k * m
+    block = torch.arange(n) // m
+    same = (block[:, None] == block[None, :]).double()
+    w = (1 - eps) * same / m + eps * (1 - same) / (n - m)
+    if noise:
+        g = torch.Generator().manual_seed(seed)
+        e = noise * torch.rand(n, n, generator=g, dtype=torch.float64) / n
+        w = w + (e + e.T) / 2
+    return w.unsqueeze(0)
+
+
+def same_partition(a: torch.Tensor, b: torch.Tensor) -> bool:
+    fwd, back = {}, {}
+    for x, y in zip(a.flatten().tolist(), b.flatten().tolist()):
+        if fwd.setdefault(x, y) != y or back.setdefault(y, x) != x:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_planted_blocks_below_tau_are_all_found(k):
+    m, eps, tau = 6, 0.05, 0.3
+    w = planted_affinity(k, m, eps, noise=0.01)
+    part = cuts.recursive_ncut(w, tau)
+    assert int(part.counts[0]) == k
+    assert same_partition(part.labels[0], torch.arange(k * m) // m)
+    # each block is left with probability eps (up to the jitter)
+    assert torch.allclose(part.escape[0].double(), torch.full((k,), eps, dtype=torch.float64),
+                          atol=5e-3)
+
+
+def test_exact_escape_probability_of_planted_blocks():
+    w = planted_affinity(4, 5, 0.12)
+    lab = (torch.arange(20) // 5).unsqueeze(0)
+    esc = cuts.escape_probabilities(w, lab)
+    assert torch.allclose(esc.double(), torch.full((1, 4), 0.12, dtype=torch.float64), atol=1e-6)
+
+
+def test_blocks_crossed_more_often_than_tau_stay_together():
+    # splitting k equal blocks in two is crossed with probability eps k / (k - 1): with
+    # eps = 0.4 and k = 4 that is 0.533 > tau, so the image stays one region
+    k, m = 4, 6
+    part = cuts.recursive_ncut(planted_affinity(k, m, 0.4, noise=0.01), tau=0.3)
+    assert int(part.counts[0]) == 1
+    # and with tau above 0.533 the blocks are found again
+    part = cuts.recursive_ncut(planted_affinity(k, m, 0.4, noise=0.01), tau=0.6)
+    assert int(part.counts[0]) == k
+
+
+def test_best_cut_ncut_is_the_sum_of_the_two_escape_probabilities():
+    w = planted_affinity(2, 7, 0.1, noise=0.05, seed=3)[0]
+    ncut, side = cuts.best_cut(w)
+    lab = side.long().unsqueeze(0)
+    esc = cuts.escape_probabilities(w.unsqueeze(0), lab)
+    assert ncut == pytest.approx(float(esc.double().sum()), abs=1e-6)
+    # brute force over every split of 14 tokens: the sweep finds the optimum here
+    n = w.shape[0]
+    best = 10.0
+    for mask in range(1, 2 ** (n - 1)):
+        s = torch.tensor([(mask >> i) & 1 for i in range(n)], dtype=torch.bool)
+        cut = float(w[s][:, ~s].sum())
+        best = min(best, cut / float(w[s].sum()) + cut / float(w[~s].sum()))
+    assert ncut == pytest.approx(best, abs=1e-9)
+
+
+def test_batch_partitions_each_image_on_its_own():
+    w = torch.cat([planted_affinity(3, 4, 0.05, noise=0.01), planted_affinity(2, 6, 0.05,
+                                                                              noise=0.01)])
+    part = cuts.recursive_ncut(w, 0.3)
+    assert part.counts.tolist() == [3, 2]
+    assert [len(e) for e in part.escape] == [3, 2]
+    assert int(part.labels[1].max()) == 1
+
+
+def test_max_regions_stops_splitting():
+    part = cuts.recursive_ncut(planted_affinity(5, 4, 0.02, noise=0.01), 0.3, max_regions=3)
+    assert int(part.counts[0]) == 3
+
+
+def test_bad_arguments_are_refused():
+    w = planted_affinity(2, 3, 0.1)
+    with pytest.raises(ValueError, match="tau"):
+        cuts.recursive_ncut(w, 0.0)
+    with pytest.raises(ValueError, match="non-negative"):
+        cuts.recursive_ncut(-w, 0.3)
+    with pytest.raises(ValueError, match=r"\(B, n, n\)"):
+        cuts.recursive_ncut(w[0], 0.3)
+    with pytest.raises(ValueError, match="temperature"):
+        cuts.key_affinity(torch.randn(1, 2, 4, 3), 0.0)
+
+
+def _reference_stationary(p: np.ndarray) -> np.ndarray:
+    vals, vecs = np.linalg.eig(p.T)
+    v = np.real(vecs[:, np.argmin(np.abs(vals - 1))])
+    return v / v.sum()
+
+
+def test_stationary_and_reversible_part_against_float64_references():
+    g = torch.Generator().manual_seed(1)
+    p = torch.rand(3, 9, 9, generator=g, dtype=torch.float64) ** 3
+    p = p / p.sum(-1, keepdim=True)  # not reversible
+    pi = cuts.stationary(p)
+    for i in range(3):
+        np.testing.assert_allclose(pi[i].numpy(), _reference_stationary(p[i].numpy()), atol=1e-12)
+    w = cuts.reversibilise(p)
+    assert w.dtype == torch.float64
+    torch.testing.assert_close(w, w.transpose(-1, -2))
+    torch.testing.assert_close(w.sum(-1), pi)  # D = Pi
+    prev = w / w.sum(-1, keepdim=True)
+    # the reversible chain keeps pi and satisfies detailed balance
+    torch.testing.assert_close((pi.unsqueeze(1) @ prev)[:, 0], pi)
+    flow = pi.unsqueeze(-1) * prev
+    torch.testing.assert_close(flow, flow.transpose(-1, -2))
+    # by hand for one entry: W_ij = (pi_i P_ij + pi_j P_ji) / 2
+    assert float(w[0, 2, 5]) == pytest.approx(
+        float(pi[0, 2] * p[0, 2, 5] + pi[0, 5] * p[0, 5, 2]) / 2, rel=1e-12)
+
+
+def test_a_reversible_chain_is_its_own_reversible_part():
+    w0 = planted_affinity(3, 3, 0.2, noise=0.3)[0]
+    p = w0 / w0.sum(1, keepdim=True)
+    w = cuts.reversibilise(p)
+    torch.testing.assert_close(w / w.sum(1, keepdim=True), p)
+    torch.testing.assert_close(w, w0 / w0.sum())
+
+
+def test_key_affinity_centres_the_keys():
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(1, 2, 6, 4, generator=g, dtype=torch.float64)
+    shared = 50 * torch.randn(1, 2, 1, 4, generator=g, dtype=torch.float64)
+    w = cuts.key_affinity(base + shared, 0.2)  # a common component shared by every token
+    torch.testing.assert_close(w, cuts.key_affinity(base, 0.2))
+    raw = cuts.key_affinity(base + shared, 0.2, center=False)
+    assert float(raw.min()) > 0.99  # without centring every pair looks alike
+    # by hand: exp((cos - 1) / T) of the centred, concatenated keys
+    k = (base - base.mean(2, keepdim=True))[0].transpose(0, 1).reshape(6, 8)
+    k = k / k.norm(dim=1, keepdim=True)
+    assert float(w[0, 1, 4]) == pytest.approx(float(torch.exp((k[1] @ k[4] - 1) / 0.2)), rel=1e-12)
+    torch.testing.assert_close(w, w.transpose(1, 2))
