@@ -152,3 +152,61 @@ def test_key_affinity_centres_the_keys():
     k = k / k.norm(dim=1, keepdim=True)
     assert float(w[0, 1, 4]) == pytest.approx(float(torch.exp((k[1] @ k[4] - 1) / 0.2)), rel=1e-12)
     torch.testing.assert_close(w, w.transpose(1, 2))
+
+
+# ------------------------------------------------------------------- the method (EscapeCuts)
+
+
+def _planted():
+    from test_regions import planted_labels, planted_record_with_keys, same_partition
+
+    rec = planted_record_with_keys()
+    up = planted_labels(8, 8).repeat_interleave(4, 0).repeat_interleave(4, 1)
+    return rec, up, same_partition
+
+
+def test_escape_cuts_find_the_planted_blocks_and_keep_the_mask_of_tau():
+    from segment.core.masks import to_masks
+    from segment.methods import EscapeCuts, RegionGrow
+
+    rec, up, same = _planted()
+    kw = dict(layers=[0], score_layers=[0], refine_steps=0, score="keychain")
+    out = EscapeCuts(escape=0.3, **kw)(rec)
+    assert same(out.labels[0], up)
+    ref = RegionGrow(**kw)(rec)  # the mask and the heatmap are those of regions
+    assert torch.equal(to_masks(out, (32, 32))[1], to_masks(ref, (32, 32))[1])
+    assert torch.equal(out.heatmap, ref.heatmap)
+    part = EscapeCuts(escape=0.3, **kw)
+    part(rec)
+    assert part.last_partition.counts.tolist() == [3]
+    assert all(0 <= float(e) < 0.3 for e in part.last_partition.escape[0])
+    # a threshold no cut clears: one region, then cut along the mask
+    one = EscapeCuts(escape=1e-4, **kw)(rec)
+    assert same(one.labels[0], to_masks(ref, (32, 32))[1][0].long())
+
+
+def test_escape_cuts_on_the_reversible_attention_chain():
+    from segment.methods import EscapeCuts
+
+    rec, up, same = _planted()
+    out = EscapeCuts(escape=0.3, cut_chain="attention", layers=[0], score_layers=[0],
+                     refine_steps=0, chain="attention")(rec)
+    assert same(out.labels[0], up)
+
+
+def test_escape_cuts_refuse_bad_settings():
+    from segment.methods import EscapeCuts
+
+    with pytest.raises(ValueError, match="label_tau is not a knob of cuts"):
+        EscapeCuts(label_tau=0.03)
+    with pytest.raises(ValueError, match="escape must lie in"):
+        EscapeCuts(escape=0)
+    with pytest.raises(ValueError, match="cut_chain must be one of"):
+        EscapeCuts(cut_chain="pixels")
+    with pytest.raises(ValueError, match="cut_temperature"):
+        EscapeCuts(cut_chain="attention", cut_temperature=0.1)  # acts only with keys
+    rec, _, _ = _planted()
+    rec.keys = {}
+    with pytest.raises(ValueError, match="needs the keys of layer 0"):
+        EscapeCuts(layers=[0], score_layers=[0], refine_steps=0, chain="attention",
+                   score="cls")(rec)

@@ -147,7 +147,7 @@ def best_cut(affinity: Tensor) -> tuple[float, Tensor]:
 
     The relaxed NCut is solved by the second eigenvector of ``P = D^-1 W``, i.e.
     ``D^-1/2 u`` with ``u`` the second largest eigenvector of the symmetric
-    ``D^-1/2 W D^-1/2`` (``torch.linalg.eigh``); the split is the threshold of that vector
+    ``D^-1/2 W D^-1/2`` (``torch.linalg.eigh`` in float32: it only orders the tokens); the split is the threshold of that vector
     (a *sweep*: every prefix of the sorted tokens) with the smallest exact NCut.
 
     Args:
@@ -163,8 +163,11 @@ def best_cut(affinity: Tensor) -> tuple[float, Tensor]:
     w = affinity.to(torch.float64)
     d = w.sum(1)
     s = d.rsqrt()
-    _, vecs = torch.linalg.eigh(s[:, None] * w * s[None, :])  # ascending: the last is sqrt(d)
-    v = vecs[:, -2] * s
+    # the eigenvector only orders the tokens (the cut itself is scored exactly in float64
+    # below): float32 is enough for it and is the fast path of every device
+    sym = (s[:, None] * w * s[None, :]).to(torch.float32)
+    _, vecs = torch.linalg.eigh(sym)  # ascending: the last is sqrt(d) / |sqrt(d)|
+    v = vecs[:, -2].to(torch.float64) * s
     order = torch.argsort(v)
     wp = w[order][:, order]
     inside = wp.cumsum(0).cumsum(1).diagonal()  # W(S_k, S_k) for the prefixes S_k

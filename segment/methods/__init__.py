@@ -73,6 +73,7 @@ from segment.methods.base import (
 )
 from segment.methods.chains import Bounce, TokenRank
 from segment.methods.concept import ConceptAttention
+from segment.methods.cuts import EscapeCuts
 from segment.methods.kmeans import KMeansKeys
 from segment.methods.regions import RegionGrow
 
@@ -81,6 +82,7 @@ __all__ = [
     "ClsAttention",
     "ClsKeyChain",
     "ConceptAttention",
+    "EscapeCuts",
     "KMeansKeys",
     "Method",
     "RegionGrow",
