@@ -147,8 +147,9 @@ def best_cut(affinity: Tensor) -> tuple[float, Tensor]:
 
     The relaxed NCut is solved by the second eigenvector of ``P = D^-1 W``, i.e.
     ``D^-1/2 u`` with ``u`` the second largest eigenvector of the symmetric
-    ``D^-1/2 W D^-1/2`` (``torch.linalg.eigh`` in float32: it only orders the tokens); the split is the threshold of that vector
-    (a *sweep*: every prefix of the sorted tokens) with the smallest exact NCut.
+    ``D^-1/2 W D^-1/2`` (``torch.linalg.eigh`` in float32: it only orders the tokens); the
+    split is the threshold of that vector (a *sweep*: every prefix of the sorted tokens)
+    with the smallest exact NCut.
 
     Args:
         affinity: ``(m, m)`` symmetric, non-negative, every row sum > 0, ``m >= 2``.
