@@ -176,10 +176,8 @@ def test_escape_cuts_find_the_planted_blocks_and_keep_the_mask_of_tau():
     ref = RegionGrow(**kw)(rec)  # the mask and the heatmap are those of regions
     assert torch.equal(to_masks(out, (32, 32))[1], to_masks(ref, (32, 32))[1])
     assert torch.equal(out.heatmap, ref.heatmap)
-    part = EscapeCuts(escape=0.3, **kw)
-    part(rec)
-    assert part.last_partition.counts.tolist() == [3]
-    assert all(0 <= float(e) < 0.3 for e in part.last_partition.escape[0])
+    assert len(out.escape) == 1 and len(out.escape[0]) == 3  # the three blocks' escape
+    assert all(0 <= float(e) < 0.3 for e in out.escape[0])
     # a threshold no cut clears: one region, then cut along the mask
     one = EscapeCuts(escape=1e-4, **kw)(rec)
     assert same(one.labels[0], to_masks(ref, (32, 32))[1][0].long())
@@ -210,3 +208,39 @@ def test_escape_cuts_refuse_bad_settings():
     with pytest.raises(ValueError, match="needs the keys of layer 0"):
         EscapeCuts(layers=[0], score_layers=[0], refine_steps=0, chain="attention",
                    score="cls")(rec)
+
+
+def test_cuts_end_to_end_write_the_escape_of_every_region(tmp_path):
+    """method=cuts through the command (records/<name>.json) and the API (Result.escape),
+    on the tiny random ViT: the same partition, its escape probabilities in [0, 1]."""
+    import json
+
+    from PIL import Image
+    from test_pipeline import _img, compose_cfg
+
+    import segment
+    from segment.run.pipeline import run_segment
+
+    import timm
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    m = timm.create_model("vit_small_patch14_dinov2", pretrained=False, num_classes=0,
+                          embed_dim=64, depth=2, num_heads=2)
+    ckpt = tmp_path / "tiny.safetensors"
+    save_file({k: v.contiguous() for k, v in m.state_dict().items()}, str(ckpt))
+    src, out = tmp_path / "in", tmp_path / "out"
+    src.mkdir()
+    _img(56, 84, 0).save(src / "x.png")
+    cfg = compose_cfg(src, out, "method=cuts", "model.image_size=[56,84]",
+                      f"model.checkpoint='{ckpt}'")
+    assert run_segment(cfg) == 0
+    rec = json.loads((out / "records" / "x.json").read_text())
+    assert rec["escape"] and all(0.0 <= e <= 1.0 for e in rec["escape"])
+    res = segment.load("vit_tiny_random", "cuts", device="cpu", image_size=[56, 84],
+                       checkpoint=str(ckpt))(Image.open(src / "x.png"))
+    assert res.escape == rec["escape"]
+    assert res.labels is not None and res.labels.shape == (56, 84)
+    # a heatmap method has none
+    assert segment.load("vit_tiny_random", "cls_attention", device="cpu",
+                        image_size=56)(Image.open(src / "x.png")).escape is None

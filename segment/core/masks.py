@@ -29,18 +29,25 @@ class MethodOutput:
         foreground: ``(B, K)`` bool, whether region id ``k`` is foreground; with ``labels``.
         converged: ``(B,)`` bool, whether every iterative solve behind an image's heatmap
             met its tolerance (TokenRank's power iteration); ``None`` for methods without one.
+        escape: per image, ``(K_b,)`` the escape probability of every region of the
+            method's partition of the tokens (the chance that the stationary walk leaves it
+            in one step, :func:`segment.core.cuts.escape_probabilities`), or ``None``.
     """
 
     heatmap: Tensor
     labels: Tensor | None = None
     foreground: Tensor | None = None
     converged: Tensor | None = None
+    escape: list[Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.heatmap.dim() != 3:
             raise ValueError(f"heatmap must be (B, h, w), got {tuple(self.heatmap.shape)}")
         if (self.labels is None) != (self.foreground is None):
             raise ValueError("labels and foreground come together")
+        if self.escape is not None and len(self.escape) != self.heatmap.shape[0]:
+            raise ValueError(f"escape must hold one tensor per image ({self.heatmap.shape[0]}),"
+                             f" got {len(self.escape)}")
 
 
 def concat_outputs(parts: Sequence[MethodOutput]) -> MethodOutput:
@@ -54,8 +61,11 @@ def concat_outputs(parts: Sequence[MethodOutput]) -> MethodOutput:
         return MethodOutput(heatmap=heat, converged=conv)
     k = max(p.foreground.shape[1] for p in parts)
     fg = torch.cat([F.pad(p.foreground, (0, k - p.foreground.shape[1])) for p in parts])
+    escape = None
+    if all(p.escape is not None for p in parts):
+        escape = [e for p in parts for e in p.escape]
     return MethodOutput(heatmap=heat, labels=torch.cat([p.labels for p in parts]), foreground=fg,
-                        converged=conv)
+                        converged=conv, escape=escape)
 
 
 def upsample(heatmap: Tensor, size: tuple[int, int]) -> Tensor:

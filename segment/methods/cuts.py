@@ -40,8 +40,9 @@ class EscapeCuts(RegionGrow):
     4. every region cut along the mask, so the mask is exactly the union of the
        foreground regions.
 
-    Per image the number of regions and each region's escape probability on the whole
-    chain are kept in :attr:`last_partition` (``counts``, ``escape``).
+    Per image, each region's escape probability on the whole chain (of the token
+    partition, before refinement and the cut along the mask) is ``MethodOutput.escape``;
+    ``segment`` writes it into the image's record and the API's ``Result.escape``.
     """
 
     name: str = "cuts"
@@ -65,7 +66,6 @@ class EscapeCuts(RegionGrow):
         if not float(self.cut_temperature) > 0:
             raise ValueError(f"{self.name}: cut_temperature must be > 0, got"
                              f" {self.cut_temperature!r}")
-        self.last_partition = None
 
     def _conditional_knobs(self) -> list[tuple[str, bool, str]]:
         return [*super()._conditional_knobs(),
@@ -106,7 +106,6 @@ class EscapeCuts(RegionGrow):
         mask = torch.gather(out.foreground, 1, out.labels.flatten(1)).view_as(out.labels)
         h, w = record.layout.grid
         part = cuts.recursive_ncut(self.cut_affinity(record), float(self.escape))
-        self.last_partition = part
         b = part.labels.shape[0]
         k = int(part.counts.max())
         grid_prob = F.one_hot(part.labels, k).to(torch.float32).transpose(1, 2)
@@ -123,4 +122,5 @@ class EscapeCuts(RegionGrow):
         labels = rg.relabel(hard * 2 + mask.long())  # each region cut along the mask
         fg = torch.zeros(b, int(labels.max()) + 1, dtype=torch.bool, device=labels.device)
         fg.scatter_(1, labels.flatten(1), mask.flatten(1))
-        return MethodOutput(heatmap=out.heatmap, labels=labels, foreground=fg)
+        return MethodOutput(heatmap=out.heatmap, labels=labels, foreground=fg,
+                            escape=[e.to(labels.device) for e in part.escape])

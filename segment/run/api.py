@@ -153,6 +153,8 @@ class Result:
         record: this image's :class:`~segment.core.record.AttentionRecord` (batch of one; the
             chain the method read), or ``None`` when not kept.
         image: the RGB image that was segmented (what :func:`show` draws on).
+        escape: the escape probability of every region of the method's token partition
+            (``method=cuts``), else ``None``.
     """
 
     mask: np.ndarray
@@ -161,6 +163,7 @@ class Result:
     foreground: np.ndarray | None
     record: AttentionRecord | None = None
     image: Image.Image | None = None
+    escape: list[float] | None = None
 
     @property
     def size(self) -> tuple[int, int]:
@@ -174,6 +177,7 @@ class Result:
             heatmap=seg.heatmap.astype(np.float32, copy=False),
             labels=None if seg.labels is None else seg.labels.astype(np.int32, copy=False),
             foreground=None if seg.foreground is None else seg.foreground.astype(bool, copy=False),
+            escape=seg.escape,
             **kwargs,
         )
 
@@ -181,7 +185,7 @@ class Result:
         """Back to the command's :class:`~segment.run.outputs.Segmentation` (for the writers)."""
         return Segmentation(heatmap=self.heatmap, mask=self.mask,
                             labels=None if self.labels is None else self.labels.astype(np.int32, copy=False),
-                            foreground=self.foreground)
+                            foreground=self.foreground, escape=self.escape)
 
     def show(self, alpha: float = 0.6) -> Image.Image:
         """The overlay as a PIL image (shown inline by Jupyter); see :func:`show`."""
@@ -419,6 +423,7 @@ class Segmenter:
             labels=None if out.labels is None else out.labels.detach().cpu(),
             foreground=None if out.foreground is None else out.foreground.detach().cpu(),
             converged=None if out.converged is None else out.converged.detach().cpu(),
+            escape=None if out.escape is None else [e.detach().cpu() for e in out.escape],
         )
 
     def postprocess(self, out: MethodOutput, index: int, size: tuple[int, int]) -> Segmentation:

@@ -111,12 +111,15 @@ class Segmentation:
         mask: ``(H, W)`` bool foreground.
         labels: ``(H, W)`` int32 region ids, multi-region methods only.
         foreground: ``(K,)`` bool, region ``k`` is foreground; with ``labels``.
+        escape: the escape probability of every region of the method's token partition
+            (``method=cuts``), else ``None``.
     """
 
     heatmap: np.ndarray
     mask: np.ndarray
     labels: np.ndarray | None = None
     foreground: np.ndarray | None = None
+    escape: list[float] | None = None
 
     @property
     def size(self) -> tuple[int, int]:
@@ -144,7 +147,9 @@ def postprocess(out: MethodOutput, index: int, size: tuple[int, int],
     if lab is not None:
         labels = lab[0].int().numpy()
         fg = one.foreground[0].bool().numpy()
-    return Segmentation(heatmap=r[0].numpy(), mask=mask[0].numpy(), labels=labels, foreground=fg)
+    escape = None if out.escape is None else [round(float(e), 6) for e in out.escape[index]]
+    return Segmentation(heatmap=r[0].numpy(), mask=mask[0].numpy(), labels=labels, foreground=fg,
+                        escape=escape)
 
 
 # --------------------------------------------------------------------------- paths
@@ -481,6 +486,9 @@ class ImageRecord:
         annotations: COCO annotations without ``id``/``image_id``.
         mask_fraction: share of foreground pixels.
         num_regions: regions in the label map (multi-region methods), else ``None``.
+        escape: the escape probability of every region of the method's token partition
+            (``method=cuts``: before the regions are refined and cut along the mask), else
+            ``None``.
         source_mode: Pillow mode of the file.
         notes: non-fatal remarks from reading.
         seconds: time spent post-processing and writing.
@@ -498,6 +506,7 @@ class ImageRecord:
     annotations: list[dict[str, Any]]
     mask_fraction: float
     num_regions: int | None = None
+    escape: list[float] | None = None
     source_mode: str = ""
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -583,6 +592,7 @@ def write_image(
         # the image's own region count (one annotation per region present): ``foreground``
         # is padded to the batch's largest K, so its length would depend on the batch
         num_regions=None if seg.labels is None else len(annotations),
+        escape=seg.escape,
         **record_fields,
     )
     # only file-system calls from here on: all of the image's files, or none of them
