@@ -244,3 +244,31 @@ def test_cuts_end_to_end_write_the_escape_of_every_region(tmp_path):
     # a heatmap method has none
     assert segment.load("vit_tiny_random", "cls_attention", device="cpu",
                         image_size=56)(Image.open(src / "x.png")).escape is None
+
+
+@pytest.mark.shared
+def test_cuts_keep_the_mask_and_heatmap_of_regions_on_real_attention(dinov2_weights):
+    """On the real DINOv2 and a bundled photo: the same mask and heatmap as the default
+    regions recipe (so every mask table of `regions` holds for `cuts`), and a handful of
+    regions, each with its escape probability on the whole chain."""
+    from pathlib import Path
+
+    from PIL import Image
+
+    import segment
+    from segment.core.masks import to_masks
+
+    photo = Path(__file__).resolve().parents[1] / "datasets" / "examples" / "chelsea.png"
+    img = Image.open(photo).convert("RGB")
+    seg = segment.load("dinov2_vits14", "cuts", checkpoint=str(dinov2_weights), device="cpu")
+    rec = seg.extract(seg.preprocess(img)[None])
+    cuts_out = seg.method(rec)
+    regions = segment.load("dinov2_vits14", "regions", checkpoint=str(dinov2_weights),
+                           device="cpu").method
+    ref = regions(rec)
+    size = tuple(rec.image_size)
+    assert torch.equal(to_masks(cuts_out, size)[1], to_masks(ref, size)[1])
+    assert torch.equal(cuts_out.heatmap, ref.heatmap)
+    k = len(cuts_out.escape[0])
+    assert 2 <= k <= 30
+    assert all(0.0 <= float(e) < 1.0 for e in cuts_out.escape[0])
