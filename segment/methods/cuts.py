@@ -99,6 +99,7 @@ class EscapeCuts(RegionGrow):
         return ws[0] if len(ws) == 1 else torch.stack(ws).mean(0)
 
     def __call__(self, record: AttentionRecord) -> MethodOutput:
+        from segment import backends
         from segment.core import cuts
         from segment.core import regions as rg
 
@@ -118,7 +119,7 @@ class EscapeCuts(RegionGrow):
         hard = prob.max(1).indices.to(mask.device)
         if self.connectivity:
             area = int(round(float(self.min_area) * size[0] * size[1]))
-            hard = rg.connected_regions(hard, min_area=area)
+            hard = backends.connected_regions(hard, min_area=area)
         labels = rg.relabel(hard * 2 + mask.long())  # each region cut along the mask
         fg = torch.zeros(b, int(labels.max()) + 1, dtype=torch.bool, device=labels.device)
         fg.scatter_(1, labels.flatten(1), mask.flatten(1))
