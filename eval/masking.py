@@ -408,3 +408,240 @@ def plot(summary: Summary, path: Path, title: str = "") -> None:
     plt.close(fig)
     with atomic_path(path) as tmp:
         tmp.write_bytes(buf.getvalue())
+
+
+# ---------------------------------------------------------------------------------------
+# the command: segment-eval experiment=token_masking masking.input=FOLDER
+# ---------------------------------------------------------------------------------------
+
+
+def read_labels(path: str | Path) -> dict[str, int]:
+    """``masking.labels``: one ``image-stem class`` line per image (comma, tab or space
+    separated; ``#`` comments), the class an ImageNet-1k index (0-999) or a synset
+    (``n01440764``). Returns stem -> class index.
+
+    Raises:
+        ValueError: naming the file and line of anything else.
+    """
+    from timm.data import ImageNetInfo
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ValueError(f"masking.labels: no such file: {p}")
+    synsets = {s: i for i, s in enumerate(ImageNetInfo().label_names())}
+    out: dict[str, int] = {}
+    for ln, line in enumerate(p.read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.replace(",", " ").replace("\t", " ").split()
+        if len(parts) != 2:
+            raise ValueError(f"masking.labels: {p}:{ln}: expected 'image-stem class', got {line!r}")
+        stem, cls = Path(parts[0]).stem, parts[1]
+        if cls.isdigit() and int(cls) < len(synsets):
+            out[stem] = int(cls)
+        elif cls in synsets:
+            out[stem] = synsets[cls]
+        else:
+            raise ValueError(
+                f"masking.labels: {p}:{ln}: {cls!r} is neither an ImageNet-1k index (0-999) nor"
+                " a synset id (n01440764)"
+            )
+    return out
+
+
+def _settings(cfg: DictConfig) -> tuple[Path, tuple[float, ...], tuple[str, ...]]:
+    from segment.eval.runner import ConfigError
+
+    node = cfg.get("masking")
+    if node is None or OmegaConf.is_missing(node, "input"):
+        raise ConfigError("masking.input: set the image folder (masking.input=PATH)")
+    fractions = tuple(float(f) for f in node.get("fractions") or FRACTIONS)
+    if len(fractions) < 2 or fractions[0] != 0 or any(b <= a for a, b in zip(fractions, fractions[1:])) \
+            or fractions[-1] >= 1:
+        raise ConfigError(
+            f"masking.fractions must increase from 0 and stay below 1 (e.g. 0, 0.1, ..., 0.9),"
+            f" got {list(fractions)}"
+        )
+    orders = tuple(str(o) for o in node.get("orders") or ORDERS)
+    bad = [o for o in orders if o not in ORDERS]
+    if bad or not orders or len(set(orders)) != len(orders):
+        raise ConfigError(f"masking.orders must be distinct entries of {list(ORDERS)}, got {list(orders)}")
+    return Path(str(node.input)).expanduser(), fractions, orders
+
+
+def _sync(device: Any) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_masking(cfg: DictConfig) -> int:
+    """The token-masking experiment (module docstring); returns the exit code: 0 done,
+    1 no image could be read, 2 unusable settings or input, 130 interrupted."""
+    from segment.eval.runner import ConfigError
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return _run(cfg)
+    except ConfigError as e:
+        print(f"segment-eval: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("segment-eval: interrupted; nothing written (token masking keeps no cache: rerun it)",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _run(cfg: DictConfig) -> int:
+    from tqdm import tqdm
+
+    from segment.eval.runner import (
+        ConfigError,
+        _bootstrap_reps,
+        _instantiate_model,
+        _output_dir,
+        instantiate_method,
+        resolve_methods,
+        union_capture,
+    )
+    from segment.run.io import ImageReadError, InputError, find_images, read_image
+    from segment.utils import resolve_device
+
+    folder, fractions, orders = _settings(cfg)
+    reps = _bootstrap_reps(cfg)
+    out_dir = _output_dir(cfg)
+    try:
+        listing = find_images(folder)
+    except InputError as e:
+        raise ConfigError(f"masking.input: {e}") from None
+    files = listing.files
+    if cfg.get("limit") is not None:
+        if int(cfg.limit) < 1:
+            raise ConfigError(f"limit must be a positive number of images, got {cfg.limit}")
+        files = files[: int(cfg.limit)]
+    if not files:
+        raise ConfigError(f"masking.input: no images under {folder}")
+    try:
+        labels = read_labels(cfg.masking.labels) if cfg.masking.get("labels") else None
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if labels is not None:
+        missing = [f.name for f in files if Path(f.rel).stem not in labels]
+        if missing:
+            raise ConfigError(f"masking.labels: no class for {len(missing)} images (e.g. {missing[:3]})")
+
+    specs = resolve_methods(cfg)
+    for s in specs:
+        s.method = instantiate_method(s)
+    if any(s.label == RANDOM for s in specs):
+        raise ConfigError(f"the label {RANDOM!r} is the random floor, added by the experiment; rename that method")
+    try:
+        device = resolve_device(cfg.get("device", "auto"))
+    except ValueError as e:
+        raise ConfigError(f"device: {e}") from None
+    backbone = _instantiate_model(cfg, device)
+    if not getattr(backbone, "can_drop_tokens", False):
+        raise ConfigError(
+            f"model {getattr(backbone, 'name', '?')} ({type(backbone).__name__}) cannot drop tokens"
+            " from its sequence; token masking needs a timm ViT (segment.models.vit.TimmViT)"
+        )
+    head = int(getattr(backbone, "num_classes", 0) or 0)
+    if labels is not None and not head:
+        raise ConfigError(
+            "masking.labels needs a classifier head: a timm ViT with ImageNet weights built with"
+            " +model.model_kwargs.num_classes=1000"
+        )
+    capture = union_capture([s.method for s in specs], backbone.num_layers)
+    seed = int(cfg.get("seed") or 0)
+    use_random = bool(cfg.masking.get("random", True))
+
+    per_image: list[ImageCurves] = []
+    names: list[str] = []
+    skipped: list[tuple[str, str]] = []
+    bare_s = scores_s = masked_s = 0.0
+    batches = forwards = 0
+    warm = False
+    bar = tqdm(files, desc="token masking", unit="img", disable=not cfg.get("progress", True))
+    for i, f in enumerate(bar):
+        try:
+            image = read_image(f.path).image
+        except ImageReadError as e:
+            log.warning("skipped %s", e)
+            skipped.append((f.rel, e.reason))
+            continue
+        x = backbone.preprocess(image).unsqueeze(0)
+        if not warm:  # one untimed pass: allocations and kernel choices of the first call
+            backbone.forward_plain(x)
+            warm = True
+        _sync(device)
+        t0 = time.perf_counter()
+        backbone.forward_plain(x)
+        _sync(device)
+        t1 = time.perf_counter()
+        record = backbone.extract(x, capture)
+        scores = {s.label: s.method(record).heatmap[0].flatten().float().cpu() for s in specs}
+        _sync(device)
+        t2 = time.perf_counter()
+        n = record.layout.num_patches
+        if use_random:
+            scores[RANDOM] = random_scores(n, seed, i)
+        label = labels[Path(f.rel).stem] if labels is not None else None
+        curves = mask_image(backbone, x, scores, fractions, orders, label=label if head else None)
+        bare_s += t1 - t0
+        scores_s += t2 - t1
+        masked_s += curves.masked_s
+        batches += len(fractions) - 1
+        forwards += len(curves.rows) * (len(fractions) - 1)
+        per_image.append(curves)
+        names.append(f.name)
+        del record
+    if not per_image:
+        print(f"segment-eval: none of the {len(files)} images could be read", file=sys.stderr)
+        return EXIT_FAILED
+
+    summary = summarise(per_image, fractions, reps=reps, seed=seed)
+    k = len(per_image)
+    cost = {
+        "device": str(device),
+        "bare_ms_per_image": round(1e3 * bare_s / k, 3),
+        "scores_ms_per_image": round(1e3 * scores_s / k, 3),
+        "masked_ms_per_image": round(1e3 * masked_s / k, 3),
+        "masked_vs_bare": round(masked_s / max(bare_s, 1e-12), 3),
+        "masked_forwards_per_image": forwards // k,
+        "batches_per_image": batches // k,
+    }
+    model_name = getattr(backbone, "name", "?")
+    meta = {
+        "model": model_name, "input": str(folder), "images": k, "skipped": skipped,
+        "image_size": list(getattr(backbone, "image_size", ())),
+        "fractions": list(fractions), "orders": list(orders), "bootstrap": reps, "seed": seed,
+        "head_classes": head, "labels": bool(labels), "cost": cost,
+        "auc": "trapezoid over the fractions divided by their span (mean height of the curve)",
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out_dir / "results.json", {"rows": summary.rows, **meta})
+    atomic_write_text(out_dir / "results.csv", table_csv(summary))
+    atomic_write_text(out_dir / "results.md", markdown(summary, cost))
+    atomic_write_text(out_dir / "curves.csv", curves_csv(summary))
+    atomic_write_text(out_dir / "per_image.csv", _per_image_csv(per_image, names, fractions))
+    atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+    plot(summary, out_dir / "curves.png", title=f"token masking: {model_name} on {folder.name} ({k} images)")
+    print(markdown(summary, cost), end="")
+    log.info("results in %s", out_dir)
+    return EXIT_OK
+
+
+def _per_image_csv(per_image: Sequence[ImageCurves], names: Sequence[str],
+                   fractions: Sequence[float]) -> str:
+    """Each image's AUC per row and metric (for other statistics than the table's)."""
+    buf = io.StringIO()
+    wr = csv.writer(buf, lineterminator="\n")
+    wr.writerow(["image", "method", "order", "metric", "AUC"])
+    for name, c in zip(names, per_image):
+        for metric, cube in (("similarity", c.similarity), ("agreement", c.agreement),
+                             ("accuracy", c.correct)):
+            if cube is None:
+                continue
+            for (m, o), a in zip(c.rows, auc(cube, fractions)):
+                wr.writerow([name, m, o, metric, round(float(a), 6)])
+    return buf.getvalue()

@@ -3,6 +3,12 @@ configs/model/vit_tiny_random.yaml."""
 
 from __future__ import annotations
 
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -228,3 +234,107 @@ def test_summarise_intervals_and_paired_differences():
     assert {c["metric"] for c in s.curves} == {"similarity"} and len(s.curves) == 2 * 10
     md = masking.markdown(s)
     assert "| tr | most |" in md and "Δ vs random" in md
+
+
+# --------------------------------------------------------------------------------------
+# the command
+# --------------------------------------------------------------------------------------
+
+EVAL = Path(sys.executable).with_name("segment-eval")
+
+
+def tiny_folder(root: Path, k: int = 3) -> Path:
+    from PIL import Image
+
+    d = root / "imgs"
+    (d / "sub").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(k):
+        Image.fromarray(rng.integers(0, 255, (40 + 7 * i, 60, 3), dtype=np.uint8)).save(
+            d / ("sub" if i == 0 else "") / f"im{i}.png")
+    (d / "notes.txt").write_text("not an image")
+    return d
+
+
+def eval_cmd(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    if not EVAL.is_file():
+        pytest.fail(f"the segment-eval command is not installed next to {sys.executable}")
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    return subprocess.run([str(EVAL), *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_command_end_to_end_on_a_tiny_folder(tmp_path):
+    folder = tiny_folder(tmp_path)
+    out = tmp_path / "out"
+    r = eval_cmd("experiment=token_masking", f"masking.input={folder}", "model=vit_tiny_random",
+                 "model.image_size=56", "device=cpu", "bootstrap=40", f"output={out}", "progress=false")
+    assert r.returncode == 0, r.stderr[-2000:]
+    for f in ("results.md", "results.json", "results.csv", "curves.csv", "curves.png", "per_image.csv"):
+        assert (out / f).is_file() and (out / f).stat().st_size > 0, f
+    res = json.loads((out / "results.json").read_text())
+    assert res["images"] == 3 and res["fractions"][0] == 0.0 and res["fractions"][-1] == 0.9
+    rows = {(r["method"], r["order"]): r for r in res["rows"]}
+    methods = {"tokenrank_last", "tokenrank_all", "tokenrank_l2w", "cls_attention", "cls_2bounce", "random"}
+    assert set(rows) == {(m, o) for m in methods for o in ("most", "least")}
+    for (m, o), row in rows.items():
+        lo, hi = row["ci95"]["similarity"]
+        assert lo - 1e-9 <= row["AUC_similarity"] <= hi + 1e-9
+        assert ("delta" in row) == (m != "random")
+        assert "AUC_agreement" not in row  # no head
+    curves = list(csv.DictReader(io.StringIO((out / "curves.csv").read_text())))
+    assert len(curves) == 12 * 10
+    assert all(float(c["mean"]) == 1.0 for c in curves if float(c["p"]) == 0.0)
+    cost = res["cost"]
+    assert cost["masked_forwards_per_image"] == 12 * 9 and cost["batches_per_image"] == 9
+    assert cost["bare_ms_per_image"] > 0 and cost["masked_vs_bare"] > 0
+    assert "| tokenrank_last | most |" in r.stdout and "bare forward" in r.stdout
+
+
+def test_command_with_a_head_and_labels(tmp_path):
+    folder = tiny_folder(tmp_path, k=2)
+    labels = tmp_path / "labels.txt"
+    labels.write_text("# stem class\nim0 n01440764\nim1, 3\n")
+    out = tmp_path / "out"
+    r = eval_cmd("experiment=token_masking", f"masking.input={folder}", "model=vit_tiny_random",
+                 "model.image_size=56", "device=cpu", "bootstrap=20", f"output={out}", "progress=false",
+                 "+model.model_kwargs.num_classes=10", f"masking.labels={labels}",
+                 "masking.orders=[most]", "masking.fractions=[0,0.5,0.9]")
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["fractions"] == [0.0, 0.5, 0.9] and res["head_classes"] == 10
+    for row in res["rows"]:
+        assert row["order"] == "most"
+        assert 0.0 <= row["AUC_agreement"] <= 1.0 and 0.0 <= row["AUC_accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize("args, msg", [
+    ([], "masking.input"),
+    (["masking.input=/no/such/folder"], "does not exist"),
+    (["masking.input={folder}", "masking.fractions=[0.1,0.5]"], "masking.fractions"),
+    (["masking.input={folder}", "masking.orders=[up]"], "masking.orders"),
+    (["masking.input={folder}", "masking.labels={folder}/notes.txt"], "masking.labels"),
+    (["masking.input={folder}", "model=flux_tiny"], "cannot drop tokens"),
+])
+def test_command_refuses_with_one_line_and_exit_2(tmp_path, args, msg):
+    from omegaconf import OmegaConf as OC
+
+    from segment.eval.cli import run
+
+    folder = tiny_folder(tmp_path, k=1)
+    overrides = ["experiment=token_masking", "model=vit_tiny_random", "device=cpu",
+                 f"output={tmp_path / 'out'}", "progress=false"]
+    overrides += [a.format(folder=folder) for a in args]
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(version_base="1.3", config_module="segment.configs"):
+        cfg = compose(config_name="eval", overrides=overrides)
+    OC.set_struct(cfg, False)
+    import contextlib
+    import io as _io
+
+    err = _io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = run(cfg)
+    lines = [ln for ln in err.getvalue().splitlines() if ln.startswith("segment-eval:")]
+    assert code == 2, err.getvalue()
+    assert len(lines) == 1 and msg in lines[0], err.getvalue()
