@@ -561,6 +561,27 @@ def _run(cfg: DictConfig) -> int:
     bare_s = scores_s = masked_s = 0.0
     batches = forwards = 0
     warm = False
+    every = int(cfg.masking.get("write_every") or 0)
+
+    def meta() -> dict[str, Any]:
+        k = len(per_image)
+        cost = {
+            "device": str(device),
+            "bare_ms_per_image": round(1e3 * bare_s / k, 3),
+            "scores_ms_per_image": round(1e3 * scores_s / k, 3),
+            "masked_ms_per_image": round(1e3 * masked_s / k, 3),
+            "masked_vs_bare": round(masked_s / max(bare_s, 1e-12), 3),
+            "masked_forwards_per_image": forwards // k,
+            "batches_per_image": batches // k,
+        }
+        return {
+            "model": str(getattr(backbone, "name", "?")), "input": str(folder), "images": k,
+            "skipped": skipped, "image_size": list(getattr(backbone, "image_size", ())),
+            "fractions": list(fractions), "orders": list(orders), "bootstrap": reps, "seed": seed,
+            "head_classes": head, "labels": bool(labels), "cost": cost,
+            "auc": "trapezoid over the fractions divided by their span (mean height of the curve)",
+        }
+
     bar = tqdm(files, desc="token masking", unit="img", disable=not cfg.get("progress", True))
     for i, f in enumerate(bar):
         try:
@@ -595,40 +616,35 @@ def _run(cfg: DictConfig) -> int:
         per_image.append(curves)
         names.append(f.name)
         del record
+        if every and len(per_image) % every == 0 and len(per_image) < len(files):
+            _write(out_dir, cfg, per_image, names, meta(), final=False)  # partial tables
     if not per_image:
         print(f"segment-eval: none of the {len(files)} images could be read", file=sys.stderr)
         return EXIT_FAILED
+    summary = _write(out_dir, cfg, per_image, names, meta(), final=True)
+    print(markdown(summary, meta()["cost"]), end="")
+    log.info("results in %s", out_dir)
+    return EXIT_OK
 
-    summary = summarise(per_image, fractions, reps=reps, seed=seed)
-    k = len(per_image)
-    cost = {
-        "device": str(device),
-        "bare_ms_per_image": round(1e3 * bare_s / k, 3),
-        "scores_ms_per_image": round(1e3 * scores_s / k, 3),
-        "masked_ms_per_image": round(1e3 * masked_s / k, 3),
-        "masked_vs_bare": round(masked_s / max(bare_s, 1e-12), 3),
-        "masked_forwards_per_image": forwards // k,
-        "batches_per_image": batches // k,
-    }
-    model_name = getattr(backbone, "name", "?")
-    meta = {
-        "model": model_name, "input": str(folder), "images": k, "skipped": skipped,
-        "image_size": list(getattr(backbone, "image_size", ())),
-        "fractions": list(fractions), "orders": list(orders), "bootstrap": reps, "seed": seed,
-        "head_classes": head, "labels": bool(labels), "cost": cost,
-        "auc": "trapezoid over the fractions divided by their span (mean height of the curve)",
-    }
+
+def _write(out_dir: Path, cfg: DictConfig, per_image: Sequence[ImageCurves], names: Sequence[str],
+           meta: dict[str, Any], final: bool) -> Summary:
+    """Write results.md/json/csv, curves.csv/png and per_image.csv for the images so far."""
+    fractions = meta["fractions"]
+    summary = summarise(per_image, fractions, reps=int(meta["bootstrap"]), seed=int(meta["seed"]))
+    meta = {**meta, "partial": not final}
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "results.json", {"rows": summary.rows, **meta})
     atomic_write_text(out_dir / "results.csv", table_csv(summary))
-    atomic_write_text(out_dir / "results.md", markdown(summary, cost))
+    atomic_write_text(out_dir / "results.md", markdown(summary, meta["cost"]))
     atomic_write_text(out_dir / "curves.csv", curves_csv(summary))
     atomic_write_text(out_dir / "per_image.csv", _per_image_csv(per_image, names, fractions))
     atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg))
-    plot(summary, out_dir / "curves.png", title=f"token masking: {model_name} on {folder.name} ({k} images)")
-    print(markdown(summary, cost), end="")
-    log.info("results in %s", out_dir)
-    return EXIT_OK
+    folder = Path(meta["input"])
+    plot(summary, out_dir / "curves.png",
+         title=f"token masking: {meta['model']} on {folder.parent.name if folder.name == 'images' else folder.name}"
+               f" ({len(per_image)} images{'' if final else ', partial'})")
+    return summary
 
 
 def _per_image_csv(per_image: Sequence[ImageCurves], names: Sequence[str],

@@ -267,12 +267,13 @@ def test_command_end_to_end_on_a_tiny_folder(tmp_path):
     folder = tiny_folder(tmp_path)
     out = tmp_path / "out"
     r = eval_cmd("experiment=token_masking", f"masking.input={folder}", "model=vit_tiny_random",
-                 "model.image_size=56", "device=cpu", "bootstrap=40", f"output={out}", "progress=false")
+                 "model.image_size=56", "device=cpu", "bootstrap=40", f"output={out}", "progress=false",
+                 "masking.write_every=2")
     assert r.returncode == 0, r.stderr[-2000:]
     for f in ("results.md", "results.json", "results.csv", "curves.csv", "curves.png", "per_image.csv"):
         assert (out / f).is_file() and (out / f).stat().st_size > 0, f
     res = json.loads((out / "results.json").read_text())
-    assert res["images"] == 3 and res["fractions"][0] == 0.0 and res["fractions"][-1] == 0.9
+    assert res["images"] == 3 and res["partial"] is False and res["fractions"][0] == 0.0 and res["fractions"][-1] == 0.9
     rows = {(r["method"], r["order"]): r for r in res["rows"]}
     methods = {"tokenrank_last", "tokenrank_all", "tokenrank_l2w", "cls_attention", "cls_2bounce", "random"}
     assert set(rows) == {(m, o) for m in methods for o in ("most", "least")}
