@@ -30,7 +30,8 @@ relies on (it degrades faster); for ``least`` first a *higher* AUC is better.
 Intervals: the images are resampled with replacement (``bootstrap`` draws, the same draws
 for every row, :func:`segment.eval.metrics.resample_counts`); each row gets the 95%
 percentile interval of its mean AUC and the paired difference to ``random`` in the same
-order; the curves get 95% bands per fraction the same way.
+order and to every other method of ``masking.compare`` (default: random and CLS
+attention); the curves get 95% bands per fraction the same way.
 
 Cost: the masked passes of one image at one fraction (every method and order: rows of the
 same length) run as one batch through :meth:`forward_kept`; the table states the time of all
@@ -239,15 +240,18 @@ class Summary:
 
 
 def summarise(per_image: Sequence[ImageCurves], fractions: Sequence[float], reps: int = 1000,
-              seed: int = 0) -> Summary:
+              seed: int = 0, references: Sequence[str] = (RANDOM,)) -> Summary:
     """Mean AUC per ``(method, order)`` row with 95% bootstrap intervals, paired differences
-    to ``random`` of the same order, and the mean curves with 95% bands.
+    to each reference method of the same order, and the mean curves with 95% bands.
 
     Args:
         per_image: every image's curves, the same rows in the same order.
         fractions: the curves' fractions.
         reps: bootstrap resamples (0 = no intervals).
         seed: seed of the resamples.
+        references: methods every other row is compared with (``row["delta"][ref][metric] =
+            [difference, low, high]``, row minus reference); those that are not rows are
+            skipped.
     """
     if not per_image:
         raise ValueError("no images to summarise")
@@ -288,15 +292,19 @@ def summarise(per_image: Sequence[ImageCurves], fractions: Sequence[float], reps
         for r, (method, order) in enumerate(rows):
             row, key = out.rows[r], f"{method}/{order}"
             row["ci95"] = {m: [round(v, 6) for v in boot.interval(key, m)] for m in metrics}
-            ref = (RANDOM, order)
-            if method != RANDOM and ref in index:
-                rk = f"{RANDOM}/{order}"
-                delta: dict[str, Any] = {"vs": RANDOM}
+            deltas: dict[str, Any] = {}
+            for name in references:
+                ref = (name, order)
+                if name == method or ref not in index:
+                    continue
+                rk = f"{name}/{order}"
+                deltas[name] = {}
                 for m in metrics:
                     lo, hi = boot.difference(key, rk, m)
                     d = row[f"AUC_{m}"] - out.rows[index[ref]][f"AUC_{m}"]
-                    delta[m] = [round(d, 6), round(lo, 6), round(hi, 6)]
-                row["delta"] = delta
+                    deltas[name][m] = [round(d, 6), round(lo, 6), round(hi, 6)]
+            if deltas:
+                row["delta"] = deltas
     return out
 
 
@@ -310,23 +318,28 @@ def _ci(row: dict[str, Any], metric: str) -> str:
     return "" if ci is None else f"{ci[0]:.3f}-{ci[1]:.3f}"
 
 
-def _delta(row: dict[str, Any], metric: str) -> str:
-    d = (row.get("delta") or {}).get(metric)
+def _delta(row: dict[str, Any], ref: str, metric: str) -> str:
+    d = ((row.get("delta") or {}).get(ref) or {}).get(metric)
     return "" if d is None else f"{d[0]:+.3f} ({d[1]:+.3f}, {d[2]:+.3f})"
+
+
+def _references(summary: Summary) -> list[str]:
+    return list(dict.fromkeys(ref for r in summary.rows for ref in (r.get("delta") or {})))
 
 
 def markdown(summary: Summary, cost: Mapping[str, Any] | None = None) -> str:
     """The AUC table (one row per method and order), then the cost line."""
     metrics = [m for m in METRICS if f"AUC_{m}" in summary.rows[0]]
+    refs = _references(summary)
     cols = ["method", "order"]
     for m in metrics:
-        cols += [f"AUC {m}", "95% CI", f"Δ vs {RANDOM} (95% CI)"]
+        cols += [f"AUC {m}", "95% CI", *(f"Δ vs {ref} (95% CI)" for ref in refs)]
     cols.append("images")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in sorted(summary.rows, key=lambda r: (ORDERS.index(r["order"]) if r["order"] in ORDERS else 9)):
         vals = [r["method"], r["order"]]
         for m in metrics:
-            vals += [f"{r[f'AUC_{m}']:.3f}", _ci(r, m), _delta(r, m)]
+            vals += [f"{r[f'AUC_{m}']:.3f}", _ci(r, m), *(_delta(r, ref, m) for ref in refs)]
         vals.append(str(r["images"]))
         lines.append("| " + " | ".join(v or "-" for v in vals) + " |")
     text = "\n".join(lines) + "\n"
@@ -344,19 +357,22 @@ def markdown(summary: Summary, cost: Mapping[str, Any] | None = None) -> str:
 
 def table_csv(summary: Summary) -> str:
     metrics = [m for m in METRICS if f"AUC_{m}" in summary.rows[0]]
+    refs = _references(summary)
     buf = io.StringIO()
     wr = csv.writer(buf, lineterminator="\n")
     head = ["method", "order", "images"]
     for m in metrics:
-        head += [f"AUC_{m}", f"AUC_{m}_ci95_low", f"AUC_{m}_ci95_high", f"delta_{m}",
-                 f"delta_{m}_ci95_low", f"delta_{m}_ci95_high"]
+        head += [f"AUC_{m}", f"AUC_{m}_ci95_low", f"AUC_{m}_ci95_high"]
+        for ref in refs:
+            head += [f"delta_{m}_vs_{ref}", f"delta_{m}_vs_{ref}_ci95_low", f"delta_{m}_vs_{ref}_ci95_high"]
     wr.writerow(head)
     for r in summary.rows:
         vals: list[Any] = [r["method"], r["order"], r["images"]]
         for m in metrics:
             ci = (r.get("ci95") or {}).get(m) or ["", ""]
-            d = (r.get("delta") or {}).get(m) or ["", "", ""]
-            vals += [r[f"AUC_{m}"], *ci, *d]
+            vals += [r[f"AUC_{m}"], *ci]
+            for ref in refs:
+                vals += ((r.get("delta") or {}).get(ref) or {}).get(m) or ["", "", ""]
         wr.writerow(vals)
     return buf.getvalue()
 
@@ -470,6 +486,16 @@ def _settings(cfg: DictConfig) -> tuple[Path, tuple[float, ...], tuple[str, ...]
     return Path(str(node.input)).expanduser(), fractions, orders
 
 
+def _references_of(cfg: DictConfig, labels: Sequence[str]) -> tuple[str, ...]:
+    from segment.eval.runner import ConfigError
+
+    refs = tuple(str(r) for r in (cfg.masking.get("compare") or (RANDOM,)))
+    unknown = [r for r in refs if r not in labels]
+    if unknown:
+        raise ConfigError(f"masking.compare: {unknown} are not rows; the rows are {list(labels)}")
+    return refs
+
+
 def _sync(device: Any) -> None:
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
@@ -554,6 +580,7 @@ def _run(cfg: DictConfig) -> int:
     capture = union_capture([s.method for s in specs], backbone.num_layers)
     seed = int(cfg.get("seed") or 0)
     use_random = bool(cfg.masking.get("random", True))
+    references = _references_of(cfg, [s.label for s in specs] + ([RANDOM] if use_random else []))
 
     per_image: list[ImageCurves] = []
     names: list[str] = []
@@ -578,7 +605,7 @@ def _run(cfg: DictConfig) -> int:
             "model": str(getattr(backbone, "name", "?")), "input": str(folder), "images": k,
             "skipped": skipped, "image_size": list(getattr(backbone, "image_size", ())),
             "fractions": list(fractions), "orders": list(orders), "bootstrap": reps, "seed": seed,
-            "head_classes": head, "labels": bool(labels), "cost": cost,
+            "head_classes": head, "labels": bool(labels), "compare": list(references), "cost": cost,
             "auc": "trapezoid over the fractions divided by their span (mean height of the curve)",
         }
 
@@ -631,7 +658,8 @@ def _write(out_dir: Path, cfg: DictConfig, per_image: Sequence[ImageCurves], nam
            meta: dict[str, Any], final: bool) -> Summary:
     """Write results.md/json/csv, curves.csv/png and per_image.csv for the images so far."""
     fractions = meta["fractions"]
-    summary = summarise(per_image, fractions, reps=int(meta["bootstrap"]), seed=int(meta["seed"]))
+    summary = summarise(per_image, fractions, reps=int(meta["bootstrap"]), seed=int(meta["seed"]),
+                        references=meta["compare"])
     meta = {**meta, "partial": not final}
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "results.json", {"rows": summary.rows, **meta})

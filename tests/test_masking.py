@@ -228,9 +228,14 @@ def test_summarise_intervals_and_paired_differences():
     assert tr["AUC_similarity"] == pytest.approx(expect, abs=1e-6)
     lo, hi = tr["ci95"]["similarity"]
     assert lo <= tr["AUC_similarity"] <= hi
-    d, dlo, dhi = tr["delta"]["similarity"]
+    d, dlo, dhi = tr["delta"]["random"]["similarity"]
     assert d < 0 and dhi < 0  # tr degrades faster than random, with an interval clear of 0
     assert "delta" not in rd
+    # against several references: each other row, paired; row minus reference
+    s2 = masking.summarise(per, masking.FRACTIONS, reps=200, seed=0, references=("random", "tr", "nope"))
+    assert set(s2.rows[0]["delta"]) == {"random"} and set(s2.rows[1]["delta"]) == {"tr"}
+    assert s2.rows[1]["delta"]["tr"]["similarity"][0] == pytest.approx(-d, abs=1e-6)
+    assert s2.rows[1]["delta"]["tr"]["similarity"][1] == pytest.approx(-dhi, abs=1e-6)
     assert {c["metric"] for c in s.curves} == {"similarity"} and len(s.curves) == 2 * 10
     md = masking.markdown(s)
     assert "| tr | most |" in md and "Δ vs random" in md
@@ -280,7 +285,7 @@ def test_command_end_to_end_on_a_tiny_folder(tmp_path):
     for (m, o), row in rows.items():
         lo, hi = row["ci95"]["similarity"]
         assert lo - 1e-9 <= row["AUC_similarity"] <= hi + 1e-9
-        assert ("delta" in row) == (m != "random")
+        assert set(row["delta"]) == {"random", "cls_attention"} - {m}
         assert "AUC_agreement" not in row  # no head
     curves = list(csv.DictReader(io.StringIO((out / "curves.csv").read_text())))
     assert len(curves) == 12 * 10
@@ -289,6 +294,7 @@ def test_command_end_to_end_on_a_tiny_folder(tmp_path):
     assert cost["masked_forwards_per_image"] == 12 * 9 and cost["batches_per_image"] == 9
     assert cost["bare_ms_per_image"] > 0 and cost["masked_vs_bare"] > 0
     assert "| tokenrank_last | most |" in r.stdout and "bare forward" in r.stdout
+    assert "Δ vs cls_attention (95% CI)" in r.stdout
 
 
 def test_command_with_a_head_and_labels(tmp_path):
@@ -313,6 +319,7 @@ def test_command_with_a_head_and_labels(tmp_path):
     (["masking.input=/no/such/folder"], "does not exist"),
     (["masking.input={folder}", "masking.fractions=[0.1,0.5]"], "masking.fractions"),
     (["masking.input={folder}", "masking.orders=[up]"], "masking.orders"),
+    (["masking.input={folder}", "masking.compare=[nope]"], "masking.compare"),
     (["masking.input={folder}", "masking.labels={folder}/notes.txt"], "masking.labels"),
     (["masking.input={folder}", "model=flux_tiny"], "cannot drop tokens"),
 ])
