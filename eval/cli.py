@@ -17,7 +17,12 @@ front.register_help_resolver()  # ${segment_help:segment-eval} in hydra.help.tem
 
 
 def run(cfg: DictConfig) -> int:
-    """Evaluate ``cfg.methods`` on ``cfg.dataset``; returns the exit code."""
+    """Evaluate ``cfg.methods`` on ``cfg.dataset`` (or, with a ``masking`` node, run the
+    token-masking experiment on ``masking.input``); returns the exit code."""
+    if cfg.get("masking") is not None:  # experiment=token_masking
+        from segment.eval.masking import run_masking
+
+        return run_masking(cfg)
     from segment.eval.runner import run_eval
 
     return run_eval(cfg)

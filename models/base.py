@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -90,3 +91,40 @@ class Backbone(abc.ABC):
     @abc.abstractmethod
     def forward_plain(self, pixels: Tensor) -> Tensor:
         """The bare forward pass (fused attention, nothing captured): the speed baseline."""
+
+    #: whether :meth:`forward_kept` can run the model on a subset of its image tokens
+    can_drop_tokens: bool = False
+
+    def forward_kept(self, pixels: Tensor, keep: Tensor) -> KeptForward:
+        """Run the model on its prefix tokens and the image tokens ``keep`` only (token
+        masking, :mod:`segment.eval.masking`).
+
+        Args:
+            pixels: ``(B, 3, H, W)`` preprocessed images.
+            keep: ``(B, K)`` indices of the grid tokens to keep (row-major, in ``[0, h*w)``).
+
+        Raises:
+            NotImplementedError: for a backbone whose sequence cannot lose tokens.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} ({getattr(self, 'name', '?')}) cannot drop tokens from its"
+            " sequence: token masking needs a backbone that runs on any subset of its image"
+            " tokens (timm ViTs: segment.models.vit.TimmViT)"
+        )
+
+
+@dataclass
+class KeptForward:
+    """The outputs of a forward pass on a subset of the tokens (:meth:`Backbone.forward_kept`).
+
+    Attributes:
+        embedding: ``(B, C)`` float32, the model's final image embedding: the pooled,
+            normalised output its classifier head reads (the final CLS token for CLS-pooled
+            ViTs such as DINOv2 and ImageNet ViTs).
+        logits: ``(B, K)`` float32 classifier logits, ``None`` for a backbone without a head.
+        num_tokens: tokens in each sequence that ran (prefix + kept grid tokens).
+    """
+
+    embedding: Tensor
+    logits: Tensor | None
+    num_tokens: int

@@ -48,7 +48,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from PIL import Image
-from segment.models.base import Backbone
+from segment.models.base import Backbone, KeptForward
 from segment.models.hub import hub_offline, hub_unavailable
 from torch import Tensor
 
@@ -539,6 +539,66 @@ class TimmViT(Backbone):
         self._set_grid(pixels)
         with torch.no_grad():
             return self.model.forward_features(pixels.to(device=self.device, dtype=self.dtype))
+
+    can_drop_tokens = True
+
+    @property
+    def num_classes(self) -> int:
+        """Classes of the model's classifier head; 0 when it has none (the default: build
+        with ``model_kwargs.num_classes=1000`` and ImageNet weights to keep the head)."""
+        return int(getattr(self.model, "num_classes", 0) or 0)
+
+    def forward_kept(self, pixels: Tensor, keep: Tensor) -> KeptForward:
+        """Run the model on the prefix tokens (CLS, registers) and the patch tokens ``keep``.
+
+        The patches are embedded and given their own positional embeddings as in the full
+        forward (``patch_embed``, then CLS/registers and the position table of the input's
+        grid); then only the prefix and the kept patches enter the blocks, in the order of
+        ``keep``. A ViT with absolute positions has no other dependence on the sequence, so
+        this equals the model run on an image made only of the kept patches (token
+        dropping, as in MAE / token-masking experiments). Nothing is padded: every row of
+        ``keep`` has the same length ``K``.
+
+        Args:
+            pixels: ``(B, 3, H, W)`` preprocessed images (``(1, 3, H, W)`` is broadcast to
+                the rows of ``keep``).
+            keep: ``(B, K)`` int64 indices of the patches to keep, row-major in ``[0, h*w)``,
+                ``K >= 1``.
+
+        Returns:
+            :class:`~segment.models.base.KeptForward`: the pooled final embedding (the final
+            CLS token, normalised, for CLS-pooled models) and the logits when the model has a
+            classifier head.
+
+        Raises:
+            ValueError: for indices outside the grid or shapes that do not fit.
+        """
+        grid = self._set_grid(pixels)
+        n = grid[0] * grid[1]
+        if keep.dim() != 2 or keep.shape[1] < 1:
+            raise ValueError(f"keep must be (B, K) patch indices with K >= 1, got {tuple(keep.shape)}")
+        if pixels.shape[0] not in (1, keep.shape[0]):
+            raise ValueError(
+                f"pixels hold {pixels.shape[0]} images for {keep.shape[0]} rows of keep;"
+                " pass one image or one per row"
+            )
+        keep = keep.to(device=self.device, dtype=torch.long)
+        if bool(((keep < 0) | (keep >= n)).any()):
+            raise ValueError(f"keep indices must lie in [0, {n}) for a {grid[0]}x{grid[1]} grid")
+        m = self.model
+        with torch.no_grad():
+            x = m.patch_embed(pixels.to(device=self.device, dtype=self.dtype))
+            x = x.reshape(x.shape[0], n, x.shape[-1])  # (B', n, C)
+            x = m._pos_embed(x)  # (B', P + n, C): prefix + patches, positions added
+            x = x.expand(keep.shape[0], -1, -1)
+            p = self.num_prefix
+            idx = keep.unsqueeze(-1).expand(-1, -1, x.shape[-1])  # (B, K, C)
+            x = torch.cat([x[:, :p], torch.gather(x[:, p:], 1, idx)], dim=1)  # (B, P + K, C)
+            x = m.norm_pre(m.patch_drop(x))
+            x = m.norm(m.blocks(x))
+            emb = m.forward_head(x, pre_logits=True)  # (B, C)
+            logits = m.head(emb).float() if self.num_classes else None
+        return KeptForward(embedding=emb.float(), logits=logits, num_tokens=int(x.shape[1]))
 
     def __repr__(self) -> str:
         return (
