@@ -26,8 +26,7 @@ def run(cfg: DictConfig) -> int:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="diagnose")
 def _main(cfg: DictConfig) -> int:
-    front.note_run_dir()
-    code = run(cfg)
+    code = front.job("segment-diagnose", lambda: run(cfg))
     if code:  # hydra.main drops the task's return value; exit here so the shell sees it
         raise SystemExit(code)
     return code
