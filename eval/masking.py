@@ -209,7 +209,7 @@ def mask_image(backbone: Any, pixels: Tensor, scores: Mapping[str, Tensor],
             agree[:, j] = (top == top0).cpu().numpy()
             if correct is not None:
                 correct[:, j] = (top == int(label)).cpu().numpy()
-    if torch.cuda.is_available() and str(getattr(backbone, "device", "cpu")).startswith("cuda"):
+    if torch.cuda.is_available() and torch.device(backbone.device).type == "cuda":
         torch.cuda.synchronize()
     return ImageCurves(rows=rows, similarity=sim, agreement=agree, correct=correct,
                        masked_s=time.perf_counter() - t0)
@@ -501,6 +501,11 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize()
 
 
+def _size_pair(size: Any) -> list[int]:
+    """``model.image_size`` (an int or ``[H, W]``) as ``[H, W]``."""
+    return [int(size), int(size)] if isinstance(size, (int, float)) else [int(v) for v in size]
+
+
 def run_masking(cfg: DictConfig) -> int:
     """The token-masking experiment (module docstring); returns the exit code: 0 done,
     1 no image could be read, 2 unusable settings or input, 130 interrupted."""
@@ -566,12 +571,12 @@ def _run(cfg: DictConfig) -> int:
     except ValueError as e:
         raise ConfigError(f"device: {e}") from None
     backbone = _instantiate_model(cfg, device)
-    if not getattr(backbone, "can_drop_tokens", False):
+    if not backbone.can_drop_tokens:
         raise ConfigError(
-            f"model {getattr(backbone, 'name', '?')} ({type(backbone).__name__}) cannot drop tokens"
+            f"model {backbone.name} ({type(backbone).__name__}) cannot drop tokens"
             " from its sequence; token masking needs a timm ViT (segment.models.vit.TimmViT)"
         )
-    head = int(getattr(backbone, "num_classes", 0) or 0)
+    head = int(backbone.num_classes)
     if labels is not None and not head:
         raise ConfigError(
             "masking.labels needs a classifier head: a timm ViT with ImageNet weights built with"
@@ -602,8 +607,8 @@ def _run(cfg: DictConfig) -> int:
             "batches_per_image": batches // k,
         }
         return {
-            "model": str(getattr(backbone, "name", "?")), "input": str(folder), "images": k,
-            "skipped": skipped, "image_size": list(getattr(backbone, "image_size", ())),
+            "model": str(backbone.name), "input": str(folder), "images": k,
+            "skipped": skipped, "image_size": _size_pair(cfg.model.image_size),
             "fractions": list(fractions), "orders": list(orders), "bootstrap": reps, "seed": seed,
             "head_classes": head, "labels": bool(labels), "compare": list(references), "cost": cost,
             "auc": "trapezoid over the fractions divided by their span (mean height of the curve)",

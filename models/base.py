@@ -35,6 +35,8 @@ class Backbone(abc.ABC):
             (FLUX); a text-conditioned backbone falls back to :attr:`default_class`.
         default_class: the class word a text-conditioned backbone is prompted with when an
             image has none (``None`` = such images are refused); ``None`` for the others.
+        num_classes: classes of the model's classifier head (token masking's top-1
+            agreement); 0 for a backbone without a head.
         provides_pixels: whether :meth:`extract`'s records carry the input image
             (``AttentionRecord.pixels``, RGB in ``[0, 1]``) that pixel-level method knobs read
             (``regions``' ``refine_steps``); methods that need it are refused on a backbone
@@ -49,6 +51,7 @@ class Backbone(abc.ABC):
     text_conditioned: ClassVar[bool] = False
     provides_pixels: ClassVar[bool] = False
     default_class: str | None = None
+    num_classes: int = 0
 
     @abc.abstractmethod
     def preprocess(self, image: Image.Image) -> Tensor:
