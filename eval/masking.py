@@ -209,8 +209,7 @@ def mask_image(backbone: Any, pixels: Tensor, scores: Mapping[str, Tensor],
             agree[:, j] = (top == top0).cpu().numpy()
             if correct is not None:
                 correct[:, j] = (top == int(label)).cpu().numpy()
-    if torch.cuda.is_available() and torch.device(backbone.device).type == "cuda":
-        torch.cuda.synchronize()
+    _sync(backbone.device)
     return ImageCurves(rows=rows, similarity=sim, agreement=agree, correct=correct,
                        masked_s=time.perf_counter() - t0)
 

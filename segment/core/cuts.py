@@ -27,10 +27,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from segment.core import markov
 
 __all__ = [
     "Partition",
@@ -39,7 +40,6 @@ __all__ = [
     "key_affinity",
     "recursive_ncut",
     "reversibilise",
-    "stationary",
 ]
 
 
@@ -67,39 +67,6 @@ def key_affinity(keys: Tensor, temperature: float = 0.2, center: bool = True) ->
     return cos.sub_(1.0).div_(float(temperature)).exp_()
 
 
-def stationary(chain: Tensor) -> Tensor:
-    """The exact stationary distribution of row-stochastic chains (a dense float64 solve).
-
-    Solves ``pi^T (P - I) = 0`` with ``sum(pi) = 1`` (the last balance equation replaced
-    by the normalisation), through numpy's LAPACK. The chain must have a unique
-    stationary distribution (irreducible; damp it first otherwise, see
-    :func:`segment.core.markov.damp`).
-
-    Args:
-        chain: ``(..., n, n)`` row-stochastic.
-
-    Returns:
-        ``(..., n)`` the stationary distributions, float64, on ``chain.device``.
-    """
-    if chain.dim() < 2 or chain.shape[-1] != chain.shape[-2]:
-        raise ValueError(f"chain must be (..., n, n), got {tuple(chain.shape)}")
-    p = chain.detach().to("cpu", torch.float64).numpy()
-    n = p.shape[-1]
-    a = np.swapaxes(p, -1, -2) - np.eye(n)  # (P^T - I) pi = 0
-    a[..., -1, :] = 1.0
-    rhs = np.zeros(p.shape[:-1])
-    rhs[..., -1] = 1.0
-    try:
-        pi = np.linalg.solve(a, rhs[..., None])[..., 0]
-    except np.linalg.LinAlgError as e:
-        raise ValueError(
-            "the chain has no unique stationary distribution (reducible): damp it first"
-        ) from e
-    pi = np.clip(pi, 0.0, None)
-    pi /= pi.sum(-1, keepdims=True)
-    return torch.from_numpy(pi).to(chain.device)
-
-
 def reversibilise(chain: Tensor, pi: Tensor | None = None) -> Tensor:
     """``W = (Pi P + P^T Pi) / 2``: the symmetric flow of a chain's reversible part.
 
@@ -109,7 +76,8 @@ def reversibilise(chain: Tensor, pi: Tensor | None = None) -> Tensor:
 
     Args:
         chain: ``(..., n, n)`` row-stochastic.
-        pi: ``(..., n)`` its stationary distribution; ``None``: :func:`stationary`.
+        pi: ``(..., n)`` its stationary distribution; ``None``: the exact one
+            (:func:`segment.core.markov.exact_stationary`).
 
     Returns:
         ``(..., n, n)`` symmetric, non-negative, summing to 1 per matrix (chain's dtype,
@@ -117,7 +85,7 @@ def reversibilise(chain: Tensor, pi: Tensor | None = None) -> Tensor:
     """
     dtype = chain.dtype if chain.dtype == torch.float64 else torch.float32
     p = chain.to(dtype)
-    pi = (stationary(p) if pi is None else pi).to(p)
+    pi = (markov.exact_stationary(p) if pi is None else pi).to(p)
     flow = pi.unsqueeze(-1) * p  # (..., n, n) Pi P
     return (flow + flow.transpose(-1, -2)) / 2
 

@@ -255,11 +255,10 @@ def spectral_measures(moduli: Tensor, threshold: float = 0.9) -> SpectralMeasure
 
 
 def exact_tokenrank(chain: Tensor, alpha: float = 0.99) -> Tensor:
-    """The exact stationary vector of the damped chain ``alpha P + (1 - alpha) 11^T / n``.
-
-    Solves ``(I - alpha P^T) pi = (1 - alpha) 1 / n`` densely in float64 (numpy LAPACK
-    ``gesv``), so slow-mixing heads get the same accuracy as fast ones (the power iteration
-    of :func:`segment.core.markov.tokenrank` stops on its L1 change, docs/markov.md).
+    """The exact stationary vector of the damped chain ``alpha P + (1 - alpha) 11^T / n``
+    (:func:`segment.core.markov.exact_stationary`, a dense float64 solve), so slow-mixing
+    heads get the same accuracy as fast ones (the power iteration of
+    :func:`segment.core.markov.tokenrank` stops on its L1 change, docs/markov.md).
 
     Args:
         chain: ``(..., n, n)`` row-stochastic chains.
@@ -268,22 +267,9 @@ def exact_tokenrank(chain: Tensor, alpha: float = 0.99) -> Tensor:
     Returns:
         ``(..., n)`` float64 stationary distributions (non-negative, sum 1).
     """
-    a = markov.validate_alpha(alpha)
-    if a >= 1.0:
+    if markov.validate_alpha(alpha) >= 1.0:
         raise ValueError("exact_tokenrank needs alpha < 1 (the undamped chain may be reducible)")
-    markov.validate_stochastic(chain)
-    batch, n = chain.shape[:-2], chain.shape[-1]
-    x = _to_numpy(chain).reshape(-1, n, n)
-    eye = np.eye(n)
-    rhs = np.full((n, 1), (1.0 - a) / n)
-
-    def solve(c: np.ndarray) -> np.ndarray:
-        lhs = eye - a * c.transpose(0, 2, 1)
-        return np.linalg.solve(lhs, np.broadcast_to(rhs, (c.shape[0], n, 1)))[..., 0]
-
-    pi = np.clip(_chunked(solve, x), 0.0, None)
-    pi = pi / pi.sum(-1, keepdims=True)
-    return torch.from_numpy(pi.reshape(*batch, n)).to(chain.device)
+    return markov.exact_stationary(chain, alpha)
 
 
 def _entropy(dist: Tensor) -> Tensor:
