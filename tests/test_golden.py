@@ -1,0 +1,91 @@
+"""Byte-identity of the default recipe's outputs (issue 43: refactors must not change them).
+
+``segment`` on the bundled examples and ``segment-eval`` on ecssd-dev, both with the real
+DINOv2 ViT-S/14, are run as a user runs them; every file they write is hashed and compared
+with the manifest under ``tests/golden/``. Images (labels, masks, heatmaps, overlays, the
+gallery, the evaluator's panels) and tables are compared byte for byte; JSON files are
+compared after dropping what changes from run to run on its own (wall-clock times, dates,
+absolute paths, the source file's mtime and the config fingerprint, which hashes the
+checkpoint's path).
+
+The manifest holds the outputs of this machine's CPU kernels: on another CPU, float rounding
+may move a pixel (eval/results/dev_set records such a case), so the test runs where the
+development assets are (``SEGMENT_SHARED``, set by ``.ci/run``). After a change that is meant
+to change the outputs, rewrite the manifest with ``SEGMENT_GOLDEN_UPDATE=1`` and say why in
+the commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+GOLDEN = Path(__file__).parent / "golden"
+EXAMPLES = Path(__file__).resolve().parents[1] / "datasets" / "examples"
+
+# keys whose values change from run to run (or clone to clone) by themselves
+VOLATILE = {"started", "finished", "output", "timings", "seconds", "date_created",
+            "images_per_s", "method_ms_per_image", "source_path", "source_mtime_ns",
+            "fingerprint", "root", "checkpoint", "input"}
+# files that record the invocation (paths, the command line), not the outputs
+SKIP_PARTS = {".hydra", "cli.log", "config.yaml"}
+
+
+def _clean(node):
+    if isinstance(node, dict):
+        return {k: _clean(v) for k, v in node.items() if k not in VOLATILE}
+    if isinstance(node, list):
+        return [_clean(v) for v in node]
+    return node
+
+
+def manifest(root: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root)
+        if not p.is_file() or SKIP_PARTS & set(rel.parts):
+            continue
+        data = p.read_bytes()
+        if p.suffix == ".json":
+            data = json.dumps(_clean(json.loads(data)), sort_keys=True).encode()
+        out[rel.as_posix()] = hashlib.sha256(data).hexdigest()
+    return out
+
+
+def _check(name: str, root: Path) -> None:
+    got = manifest(root)
+    path = GOLDEN / f"{name}.json"
+    if os.environ.get("SEGMENT_GOLDEN_UPDATE") == "1":
+        GOLDEN.mkdir(exist_ok=True)
+        path.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+    want = json.loads(path.read_text())
+    assert sorted(got) == sorted(want), (
+        f"files written differ: new {sorted(set(got) - set(want))},"
+        f" missing {sorted(set(want) - set(got))}")
+    changed = [k for k in want if got[k] != want[k]]
+    assert not changed, f"{len(changed)} of {len(want)} outputs changed: {changed[:8]}"
+
+
+def _cli(tool: str, *args: str) -> None:
+    exe = Path(sys.executable).with_name(tool)
+    r = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_segment_examples_byte_identical(tmp_path, dinov2_weights):
+    out = tmp_path / "seg"
+    _cli("segment", f"input={EXAMPLES}", f"output={out}", f"model.checkpoint={dinov2_weights}")
+    _check("segment_examples", out)
+
+
+def test_segment_eval_ecssd_byte_identical(tmp_path, dinov2_weights, ecssd_dev):
+    out = tmp_path / "ev"
+    _cli("segment-eval", "dataset=folder", f"dataset.root={ecssd_dev}", f"output={out}",
+         f"model.checkpoint={dinov2_weights}")
+    _check("eval_ecssd", out)
