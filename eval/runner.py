@@ -63,7 +63,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from segment.datasets.base import DataError
-from segment.eval import dist
+from segment.run import dist
 from segment.eval.metrics import (
     BinaryState,
     Bootstrap,

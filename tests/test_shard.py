@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from segment.eval.dist import DistContext
-
+from segment.run.dist import DistContext
 from segment.run.shard import RankReport, share
 
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")

@@ -9,7 +9,7 @@
 2. gets rank 0's listing of the input (:func:`scan`: one scan, so every rank sees the same
    sorted file list even if the folder changes meanwhile); rank 0 also takes the output
    folder's lock (:mod:`segment.run.lock`) for the whole run: its ranks are one run;
-3. takes every K-th image of that sorted list (:func:`share`, :func:`segment.eval.dist.shard`)
+3. takes every K-th image of that sorted list (:func:`share`, :func:`segment.run.dist.shard`)
    and plans, segments and writes it exactly like a single process: every per-image file
    and its ``records/<name>.json`` are written by the rank that made them;
 4. sends its statuses and timings to rank 0 (:func:`merge`), which reads the **records on
@@ -31,9 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from segment.eval import dist
-from segment.eval.dist import DistContext
-
+from segment.run import dist
+from segment.run.dist import DistContext
 from segment.run.io import InputError
 from segment.utils import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 
@@ -50,7 +49,7 @@ days. A rank that dies makes torchrun stop the others, so nobody waits that long
 
 def launched() -> bool:
     """Whether torchrun started more than one process (``WORLD_SIZE > 1``)."""
-    return dist._env_int("WORLD_SIZE", 1) > 1
+    return dist.env_int("WORLD_SIZE", 1) > 1
 
 
 def init(device: Any = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:

@@ -1,10 +1,14 @@
-"""Distributed evaluation: one process per device under ``torchrun``, or a single process.
+"""The torchrun context both commands share: one process per device, or a single process.
 
-``torchrun --nproc_per_node=K -m segment.eval ...`` sets ``RANK``, ``WORLD_SIZE`` and
-``LOCAL_RANK``; :func:`init` then joins the process group (NCCL on CUDA, gloo on CPU), each
-rank takes every K-th image (:func:`shard`), and the per-image metric states are gathered
-to rank 0 (:func:`gather`), which sums them in data set order: the merged numbers are the
-same as a single-process run's.
+``torchrun --nproc_per_node=K -m segment.eval ...`` (or ``-m segment``) sets ``RANK``,
+``WORLD_SIZE`` and ``LOCAL_RANK``; :func:`init` then joins the process group (NCCL on CUDA,
+gloo on CPU; ``segment`` always asks for gloo, :mod:`segment.run.shard`), each rank takes
+every K-th image (:func:`shard`), and what the ranks computed is gathered to rank 0
+(:func:`gather`): ``segment-eval`` sums the per-image metric states in data set order, so
+the merged numbers are the same as a single-process run's.
+
+It lives in the run layer (``segment.run``) so that ``segment`` does not depend on the
+evaluation layer; ``segment.eval.runner`` imports it from here.
 """
 
 from __future__ import annotations
@@ -50,7 +54,12 @@ class DistContext:
         return self.world_size > 1
 
 
-def _env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int) -> int:
+    """The integer in environment variable ``name`` (``default`` when unset or empty).
+
+    Raises:
+        ValueError: naming the variable when it holds something else.
+    """
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -70,8 +79,8 @@ def init(device: str | torch.device | None = "auto", backend: str | None = None,
         backend: ``None`` = ``nccl`` on CUDA, ``gloo`` otherwise.
         timeout_s: collective timeout (a slow rank waits this long at the final gather).
     """
-    world = _env_int("WORLD_SIZE", 1)
-    local = _env_int("LOCAL_RANK", 0)
+    world = env_int("WORLD_SIZE", 1)
+    local = env_int("LOCAL_RANK", 0)
     dev = resolve_device(device)
     if dev.type == "cuda" and world > 1 and dev.index is None:
         dev = torch.device("cuda", local % max(1, torch.cuda.device_count()))
