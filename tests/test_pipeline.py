@@ -148,16 +148,16 @@ def test_resume_skips_done_images_and_keeps_them_in_summaries(tmp_path):
 def test_rendering_runs_with_opencv_single_threaded_and_restores_it(tmp_path, monkeypatch):
     import cv2
 
-    import segment.run.pipeline as pipeline_mod
+    import segment.run.stages as stages_mod
 
     seen = []
-    real = pipeline_mod.write_image
+    real = stages_mod.write_image
 
     def spy(*a, **k):
         seen.append(cv2.getNumThreads())
         return real(*a, **k)
 
-    monkeypatch.setattr(pipeline_mod, "write_image", spy)
+    monkeypatch.setattr(stages_mod, "write_image", spy)
     src, out = tmp_path / "in", tmp_path / "out"
     make_folder(src, bad=False)
     cv2.setNumThreads(2)

@@ -278,8 +278,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 pipe_cpu.append((time.process_time() - c0) / n)
                 pipe_idle.append(_idle_share(j0, _cpu_jiffies()))
                 pipe_total.append(n / total)
-                pipe_proc.append(n / run.t.processing_s)
-                runs.append({k: round(v, 4) for k, v in run.t.__dict__.items() if isinstance(v, float)})
+                pipe_proc.append(n / run.state.timings.processing_s)
+                runs.append({k: round(v, 4) for k, v in run.state.timings.__dict__.items() if isinstance(v, float)})
             # every round's files stay until the end (the temporary folder goes then): on ext4
             # without a journal, creating a file skips the inodes deleted in the last minute
             # or so, one by one, so deleting a round's ~500 files made the next round's

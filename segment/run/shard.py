@@ -34,6 +34,10 @@ from typing import Any, TypeVar
 from segment.run import dist
 from segment.run.dist import DistContext
 from segment.run.io import InputError
+from segment.run.outputs import ImageStatus, device_info
+from segment.run.plan import current_record
+from segment.run.state import RunSettings, RunState
+from segment.run.summary import outcome
 from segment.utils import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 
 T = TypeVar("T")
@@ -124,69 +128,70 @@ def merge(report: RankReport, ctx: DistContext) -> list[RankReport] | None:
     return dist.gather(report, ctx)
 
 
-def finish(run: Any, code: int) -> int:
-    """End of a distributed :class:`segment.run.pipeline.SegmentRun` (every rank calls it).
+def finish(state: RunState, settings: RunSettings, ctx: DistContext, code: int) -> int:
+    """End of a distributed ``segment`` run (:class:`segment.run.pipeline.SegmentRun`; every
+    rank calls it with its run state).
 
     Every rank sends its statuses and timings to rank 0 (:func:`merge`). Rank 0 takes the
-    other ranks' statuses, marks the unfinished share of a rank that stopped on an error as
-    failed, and loads from disk the current record of every image another rank reported
-    done or resumed (one that it cannot find is failed with the reason), so the run files
-    it writes next list every image; ``run.ranks`` gets each rank's summary.
+    other ranks' statuses into ``state``, marks the unfinished share of a rank that stopped
+    on an error as failed, and loads from disk the current record of every image another
+    rank reported done or resumed (one that it cannot find is failed with the reason), so
+    the run files it writes next list every image; ``state.ranks`` gets each rank's summary.
 
     Args:
-        run: the :class:`~segment.run.pipeline.SegmentRun` of this rank.
+        state: this rank's run state.
+        settings: the run settings (the output folder, the config's fingerprint).
+        ctx: this rank's place in the group.
         code: this rank's exit code so far.
 
     Returns:
         The run's exit code on rank 0 (130 if any rank was interrupted, 1 if a rank's output
-        file system refused a write), ``code`` elsewhere.
+        file system refused a write, else :func:`segment.run.summary.outcome`), ``code``
+        elsewhere.
     """
-    from segment.run.outputs import ImageStatus, device_info
-
-    ctx = run.ctx
     report = RankReport(
-        rank=ctx.rank, images=len(run.mine), timings=run.t.rounded(), device=device_info(run.device),
-        statuses={n: s.as_dict() for n, s in run.statuses.items()},
-        interrupted=run.interrupted, error=run.error, fault=run.fault,
+        rank=ctx.rank, images=len(state.mine), timings=state.timings.rounded(), device=device_info(state.device),
+        statuses={n: s.as_dict() for n, s in state.statuses.items()},
+        interrupted=state.interrupted, error=state.error, fault=state.fault,
     )
     reports = merge(report, ctx)
     if reports is None:  # not rank 0
         return code
     for r in reports:
         for name, d in r.statuses.items():
-            run.statuses[name] = ImageStatus(**{**d, "rank": r.rank if d["status"] == "done" else None})
-        if r.fault is not None and run.fault is None:  # not an image fault: a rerun does the rest
-            run.fault = r.fault if r.rank == 0 else f"rank {r.rank}: {r.fault}"
-        if r.error and not r.interrupted and r.fault is None and r.rank != 0 and run.input_root is not None:
-            for f in run.files[r.rank :: ctx.world_size]:  # its unfinished share
-                if f.name not in run.statuses:
-                    run.statuses[f.name] = ImageStatus(f.name, f.rel, "failed", f"rank {r.rank} stopped: {r.error}")
-    for f in run.files:  # the records the other ranks wrote, read back from disk
-        st = run.statuses.get(f.name)
-        if f.name in run.records or st is None or st.status == "failed":
+            state.statuses[name] = ImageStatus(**{**d, "rank": r.rank if d["status"] == "done" else None})
+        if r.fault is not None and state.fault is None:  # not an image fault: a rerun does the rest
+            state.fault = r.fault if r.rank == 0 else f"rank {r.rank}: {r.fault}"
+        if r.error and not r.interrupted and r.fault is None and r.rank != 0 and state.input_root is not None:
+            for f in state.files[r.rank :: ctx.world_size]:  # its unfinished share
+                if f.name not in state.statuses:
+                    state.statuses[f.name] = ImageStatus(f.name, f.rel, "failed", f"rank {r.rank} stopped: {r.error}")
+    for f in state.files:  # the records the other ranks wrote, read back from disk
+        st = state.statuses.get(f.name)
+        if f.name in state.records or st is None or st.status == "failed":
             continue
         try:
             stat = f.path.stat()
             size, mtime = stat.st_size, stat.st_mtime_ns
         except OSError:
             size = mtime = -1
-        rec = run._current_record(f, size, mtime)
+        rec = current_record(settings, f, size, mtime)
         if rec is not None:
-            run.records[f.name] = rec
+            state.records[f.name] = rec
         else:
             st.status, st.reason = "failed", (
-                f"reported {st.status} by a rank, but rank 0 finds no current record in {run.out}"
+                f"reported {st.status} by a rank, but rank 0 finds no current record in {settings.out}"
                 " (the output folder must be on a file system every node sees)")
             log.error("%s: %s", f.rel, st.reason)
-    run.ranks = [r.summary() for r in reports]
-    run.interrupted = any(r.interrupted for r in reports)
-    if run.interrupted:
+    state.ranks = [r.summary() for r in reports]
+    state.interrupted = any(r.interrupted for r in reports)
+    if state.interrupted:
         return EXIT_INTERRUPTED
-    if run.fault is not None:
+    if state.fault is not None:
         return EXIT_FAILED
-    if code != EXIT_OK or run.input_root is None:
+    if code != EXIT_OK or state.input_root is None:
         return code
-    return run._outcome()
+    return outcome(state)
 
 
 def agree(code: int, ctx: DistContext) -> int:

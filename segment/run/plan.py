@@ -1,0 +1,138 @@
+"""The planner of a ``segment`` run: what there is to do.
+
+:func:`list_input` lists the input (and takes the output folder's lock), :func:`plan_items`
+decides per image of this rank's share: resumed (its record is current,
+:func:`current_record`), skipped again (an earlier run found the file unreadable and it is
+unchanged, :func:`known_unreadable`), or to segment (an :class:`Item` for the stage runner,
+:mod:`segment.run.stages`). The decisions go into the run's :class:`~segment.run.state.RunState`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from segment.run.dist import DistContext
+from segment.run.io import ImageFile, InputError, Listing, LoadedImage, find_images
+from segment.run.lock import OutputLock
+from segment.run.outputs import ImageRecord, ImageStatus, load_record, record_is_current
+from segment.run.state import RunSettings, RunState
+
+__all__ = ["Item", "current_record", "known_unreadable", "list_input", "log_plan", "plan_items"]
+
+log = logging.getLogger("segment.run.pipeline")  # the run's lines keep one logger name
+
+
+@dataclass
+class Item:
+    """One image on its way through the stages (:mod:`segment.run.stages`)."""
+
+    file: ImageFile
+    source_bytes: int = 0
+    source_mtime_ns: int = 0
+    loaded: LoadedImage | None = None
+    pixels: Tensor | None = None  # (3, H, W) preprocessed
+    error: str | None = None
+    unreadable: bool = False  # the error is the file's own (read_image), not a setting's
+    read_s: float = 0.0
+
+
+def list_input(input_path: Path, out: Path, lock: OutputLock) -> Listing:
+    """The images under ``input_path``; when there are any, ``lock`` is taken (one run per
+    output folder, from before the plan reads the records).
+
+    Raises:
+        InputError: the output is a file or the input folder, or cannot be created.
+        FolderBusy: another run holds the output folder (an :class:`InputError`).
+    """
+    if out.exists() and not out.is_dir():
+        raise InputError(f"output {str(out)!r} exists and is not a folder")
+    if input_path.exists() and input_path.resolve() == out:
+        raise InputError(f"output folder {str(out)!r} is the input folder; choose another output")
+    listing = find_images(input_path, exclude=[out])
+    if listing.files:
+        try:
+            lock.acquire()
+        except OSError as e:
+            raise InputError(f"cannot create the output folder {str(out)!r}: {e.strerror or e}") from None
+        if lock.stale is not None:
+            log.warning("took over the output folder's lock from a run that ended without "
+                        "giving it back (%s)", lock.stale.describe())
+    return listing
+
+
+def plan_items(files: list[ImageFile], settings: RunSettings, state: RunState) -> list[Item]:
+    """The images of ``files`` to segment: not those with a current record (resume), nor the
+    files an earlier run found unreadable that are unchanged since (size and mtime; unless
+    ``retry_skipped`` or ``overwrite``). The others get their status (and a resumed image
+    its record) in ``state``; ``state.known_bad`` counts the unreadable ones skipped again."""
+    todo = []
+    bad = {} if settings.retry_skipped else known_unreadable(settings, state.input_root)
+    for f in files:
+        try:
+            st = f.path.stat()
+        except OSError as e:
+            state.statuses[f.name] = ImageStatus(f.name, f.rel, "failed", f"cannot be read: {e.strerror or e}")
+            continue
+        item = Item(file=f, source_bytes=st.st_size, source_mtime_ns=st.st_mtime_ns)
+        if not settings.overwrite:
+            rec = current_record(settings, f, st.st_size, st.st_mtime_ns)
+            if rec is not None:
+                state.records[f.name] = rec
+                state.statuses[f.name] = ImageStatus(f.name, f.rel, "resumed")
+                continue
+        was = bad.get(f.rel)
+        if was is not None and (was.get("source_bytes"), was.get("source_mtime_ns")) == (st.st_size, st.st_mtime_ns):
+            state.statuses[f.name] = ImageStatus(
+                f.name, f.rel, "failed", str(was.get("reason", "unreadable")), unreadable=True,
+                source_bytes=st.st_size, source_mtime_ns=st.st_mtime_ns, known_bad=True)
+            state.known_bad += 1
+            continue
+        todo.append(item)
+    return todo
+
+
+def known_unreadable(settings: RunSettings, input_root: Path | None) -> dict[str, dict[str, Any]]:
+    """The files the last run.json of this output lists as unreadable (source -> status),
+    when it read the same input with the same ``max_pixels`` (which decides some of them)."""
+    try:
+        man = json.loads((settings.out / "run.json").read_text("utf-8"))
+        if man.get("input") != str(input_root):
+            return {}
+        if (man.get("config") or {}).get("max_pixels") != settings.max_pixels:
+            return {}
+        return {s["source"]: s for s in man.get("images", []) if s.get("unreadable")}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return {}
+
+
+def current_record(settings: RunSettings, f: ImageFile, size: int, mtime_ns: int) -> ImageRecord | None:
+    """``f``'s record in ``settings.out`` if it is current (same settings, same source file,
+    every output present), else ``None``."""
+    rec = load_record(settings.out, f.name)
+    if not record_is_current(rec, settings.out, fingerprint=settings.fingerprint, source_bytes=size,
+                             source_mtime_ns=mtime_ns):
+        return None
+    rec.source_path = str(f.path)  # the input folder may have moved
+    return rec
+
+
+def log_plan(state: RunState, settings: RunSettings, ctx: DistContext, input_path: Path, todo: list[Item]) -> None:
+    """The plan's one line: how many images, how many already done, how many to segment."""
+    n = len(state.files)
+    done_before = len(state.mine) - len(todo) - state.known_bad
+    log.info(
+        "%s%d image%s %s: %d already done%s, %d to segment%s -> %s",
+        f"rank {ctx.rank}/{ctx.world_size}: {len(state.mine)} of " if ctx.distributed else "",
+        n, "" if n == 1 else "s",
+        f"({input_path})" if input_path.is_file() else f"under {state.input_root}", done_before,
+        "" if not settings.overwrite else " (overwrite=true: redoing all)", len(todo),
+        f", {state.known_bad} known-bad file{'' if state.known_bad == 1 else 's'} skipped again (unchanged "
+        "since run.json listed them as unreadable; retry_skipped=true reads them again)" if state.known_bad else "",
+        settings.out,
+    )

@@ -1,0 +1,180 @@
+"""What a ``segment`` run knows: its settings (read once from the config) and its mutable
+state (what it found, decided and did), passed explicitly to the planner
+(:mod:`segment.run.plan`), the stage runner (:mod:`segment.run.stages`), the summary
+writer (:mod:`segment.run.summary`) and the torchrun merge (:mod:`segment.run.shard`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from segment.core.masks import label_upsampling_setting
+from segment.run.io import ImageFile
+from segment.run.outputs import ImageRecord, ImageStatus, RenderOptions
+
+__all__ = ["RunSettings", "RunState", "Timings", "config_fingerprint"]
+
+
+def config_fingerprint(cfg: DictConfig) -> str:
+    """Hash of what decides an image's outputs: the model and method configs (``device``
+    left out), the rendering options and ``label_upsampling``. Records with another
+    fingerprint are redone."""
+    def clean(node: Any) -> Any:
+        if node is None:
+            return None
+        d = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+        if isinstance(d, dict):
+            d = {k: v for k, v in d.items() if k != "device"}
+        return d
+
+    blob = {
+        "model": clean(cfg.get("model")),
+        "method": clean(cfg.get("method")),
+        "render": {k: v for k, v in (clean(cfg.get("render")) or {}).items() if k != "fsync"},
+        "label_upsampling": label_upsampling_setting(cfg.get("label_upsampling")),
+    }
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The run settings of a composed ``segment`` config, checked (:meth:`from_config`).
+
+    Attributes:
+        out: the output folder (absolute).
+        opts: how the per-image files look (``render.*``).
+        batch_size: images per forward pass.
+        num_workers: reader and writer threads; 0 = chosen for the device when the model
+            is built.
+        max_pixels: refuse larger images (``None``: Pillow's limit).
+        min_size: refuse images with a smaller side (``None``: one patch of the model).
+        overwrite: redo images whose record is current.
+        retry_skipped: read again the files an earlier run found unreadable (also with
+            ``overwrite``).
+        progress: a tqdm bar on stderr (rank 0 only).
+        fingerprint: :func:`config_fingerprint` of the config.
+        input_desc: the input as given (``bundled examples`` without ``input=``).
+    """
+
+    out: Path
+    opts: RenderOptions
+    batch_size: int
+    num_workers: int
+    max_pixels: Any
+    min_size: Any
+    overwrite: bool
+    retry_skipped: bool
+    progress: bool
+    fingerprint: str
+    input_desc: str
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig, *, is_main: bool = True) -> RunSettings:
+        """The settings of ``cfg``; ``is_main``: this process is rank 0 (the one with a bar).
+
+        Raises:
+            ValueError: a setting out of range (``batch_size``, ``num_workers``,
+                ``label_upsampling``, ``retry_skipped``), in that order.
+            TypeError: an unknown ``render`` option.
+        """
+        opts = RenderOptions(**(OmegaConf.to_container(cfg.render, resolve=True) if cfg.get("render") else {}))
+        out = Path(str(cfg.output)).expanduser().resolve()
+        bs = cfg.get("batch_size")
+        batch_size = 1 if bs is None else int(bs)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {bs}")
+        nw = cfg.get("num_workers")
+        num_workers = int(nw) if nw is not None else 0
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0 (0 or null = automatic), got {nw}")
+        label_upsampling_setting(cfg.get("label_upsampling"))  # refused before the model is built
+        overwrite = bool(cfg.get("overwrite", False))
+        retry = cfg.get("retry_skipped", False)
+        if not isinstance(retry, bool):
+            raise ValueError(f"retry_skipped must be true or false, got {retry!r}")
+        return cls(
+            out=out, opts=opts, batch_size=batch_size, num_workers=num_workers,
+            max_pixels=cfg.get("max_pixels"), min_size=cfg.get("min_size"), overwrite=overwrite,
+            retry_skipped=retry or overwrite, progress=bool(cfg.get("progress", True)) and is_main,
+            fingerprint=config_fingerprint(cfg),
+            input_desc="bundled examples" if cfg.get("input") is None else str(cfg.input),
+        )
+
+
+@dataclass
+class Timings:
+    """Seconds spent in each part of a run (``run.json``'s ``timings``)."""
+
+    scan_s: float = 0.0
+    plan_s: float = 0.0
+    model_load_s: float = 0.0
+    processing_s: float = 0.0
+    summary_s: float = 0.0
+    read_s: float = 0.0  # summed over loader threads
+    model_s: float = 0.0  # backbone forward with capture (Segmenter.extract), main thread
+    method_s: float = 0.0  # the method on the records (Segmenter.apply), method thread
+    write_s: float = 0.0  # summed over writer threads
+    wait_input_s: float = 0.0  # main thread waiting for decoded images
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def rounded(self) -> dict[str, float]:
+        """Every timing (the fields, then ``extra``) in seconds, to 0.1 ms."""
+        out = {k: round(v, 4) for k, v in self.__dict__.items() if isinstance(v, float)}
+        out.update({k: round(v, 4) for k, v in self.extra.items()})
+        return out
+
+
+@dataclass
+class RunState:
+    """The mutable state of one run (of this rank, under torchrun).
+
+    Attributes:
+        files: every image of the input, sorted (all ranks see the same list).
+        ignored: the other files of the input and why (``(relative path, reason)``).
+        input_root: the folder the input was listed from (``None`` before the scan).
+        mine: this rank's share of ``files`` (all of them in one process).
+        statuses: per image name, what became of it (done, resumed, failed).
+        records: per image name, its record (made now or by an earlier run).
+        known_bad: unreadable files skipped again without reading (see
+            :func:`segment.run.plan.plan_items`).
+        timings: seconds per part of the run.
+        device: the device the model runs on, once built.
+        started: when the run started (UTC).
+        interrupted: it stopped on Ctrl-C (or, on rank 0 under torchrun, any rank did).
+        error: the run-level error line, if any.
+        fault: the first write the output file system refused (why, which file).
+        unwritten: the run-level files that could not be written.
+        writing: the output folder is in use, so the run-level files are written.
+        gallery: ``index.html``, once written.
+        ranks: per-rank summaries (torchrun, rank 0).
+    """
+
+    files: list[ImageFile] = field(default_factory=list)
+    ignored: list[tuple[str, str]] = field(default_factory=list)
+    input_root: Path | None = None
+    mine: list[ImageFile] = field(default_factory=list)
+    statuses: dict[str, ImageStatus] = field(default_factory=dict)
+    records: dict[str, ImageRecord] = field(default_factory=dict)
+    known_bad: int = 0
+    timings: Timings = field(default_factory=Timings)
+    device: torch.device | None = None
+    started: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    interrupted: bool = False
+    error: str | None = None
+    fault: str | None = None
+    unwritten: list[str] = field(default_factory=list)
+    writing: bool = False
+    gallery: Path | None = None
+    ranks: list[dict[str, Any]] | None = None
+
+    def count(self, *status: str) -> int:
+        """How many images have one of these statuses."""
+        return sum(s.status in status for s in self.statuses.values())

@@ -1,0 +1,191 @@
+"""The summary writer of a ``segment`` run: what it says and writes once the images are done.
+
+:func:`outcome` gives the exit code and the closing log line from the statuses of every
+image; :func:`write_summary` writes ``annotations.json``, ``index.html`` and ``run.json``
+from the records of every image of the input (made now, by an earlier run or by another
+rank); :func:`final_line` is the run's last line (the gallery, or the one line of a run
+the output file system stopped).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from segment.run.outputs import (
+    OutputWriteError,
+    device_info,
+    package_versions,
+    write_coco,
+    write_gallery,
+    write_manifest,
+)
+from segment.run.state import RunSettings, RunState
+from segment.utils import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+
+__all__ = ["EXIT_NOTHING_DONE", "config_dict", "fault_line", "final_line", "outcome", "write_run_file",
+           "write_summary"]
+
+log = logging.getLogger("segment.run.pipeline")  # the run's lines keep one logger name
+
+EXIT_NOTHING_DONE = EXIT_FAILED
+
+
+def outcome(state: RunState) -> int:
+    """Exit code and closing log line from the statuses of every image (sets
+    ``state.error`` when none could be processed)."""
+    n_ok = state.count("done", "resumed")
+    n_resumed = state.count("resumed")
+    n_failed = state.count("failed")
+    if n_ok == 0:
+        state.error = f"none of the {len(state.files)} images could be processed; see the reasons above and in run.json"
+        log.error(state.error)
+        return EXIT_NOTHING_DONE
+    # the word the per-file warnings and the README use for images that could not be done
+    log.info("done: %d segmented, %d resumed, %d skipped%s", n_ok - n_resumed, n_resumed, n_failed,
+             "" if not n_failed else " (reasons in run.json)" if n_failed == state.known_bad
+             else " (reasons above and in run.json)")
+    return EXIT_OK
+
+
+def config_dict(cfg: DictConfig) -> Any:
+    """The config as plain data for ``run.json`` (resolved where it can be)."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except Exception:  # an unresolvable interpolation: keep it unresolved in the manifest
+        return OmegaConf.to_container(cfg, resolve=False)
+
+
+def write_summary(state: RunState, settings: RunSettings, cfg: DictConfig, code: int, *,
+                  model_name: str, method_name: str) -> None:
+    """annotations.json, index.html and run.json from every record of this input; a file
+    that cannot be written is noted in ``state`` (``unwritten``, ``fault``), and
+    ``state.gallery`` is set once index.html is written."""
+    ts = time.perf_counter()
+    try:
+        settings.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        log.error("cannot create the output folder %s: %s", settings.out, e)
+        return
+    failed = [
+        {"path": s.source, "reason": s.reason or ""} for s in state.statuses.values() if s.status == "failed"
+    ]
+    skipped = failed + [{"path": p, "reason": r} for p, r in state.ignored]
+    if state.files:
+        _write_coco_and_gallery(state, settings, skipped, model_name=model_name, method_name=method_name)
+    manifest = _manifest(state, settings, cfg, code, failed=failed, skipped=skipped, model_name=model_name,
+                         method_name=method_name, started_s=ts)
+    write_run_file(state, settings, "run.json", write_manifest, manifest)
+
+
+def _write_coco_and_gallery(state: RunState, settings: RunSettings, skipped: list[dict[str, str]], *,
+                            model_name: str, method_name: str) -> None:
+    out = settings.out
+    records = [state.records[f.name] for f in state.files if f.name in state.records]
+    write_run_file(state, settings, "annotations.json", write_coco, records, info={
+        "description": f"segment: {model_name} / {method_name}",
+        "date_created": state.started.isoformat(timespec="seconds"),
+        "version": package_versions(("segment",)).get("segment"),
+        "input": str(state.input_root),
+    })
+    if write_run_file(
+        state, settings, "index.html", write_gallery, records, failed=skipped, title=f"segment: {out.name}",
+        summary=[
+            ("input", str(state.input_root)), ("model", str(model_name)), ("method", str(method_name)),
+            ("images", f"{len(records)} segmented of {len(state.files)}; {len(skipped)} file(s) not used"),
+        ],
+        thumb_size=settings.opts.thumb_size, colormap=settings.opts.colormap,
+    ):
+        state.gallery = out / "index.html"
+
+
+def _manifest(state: RunState, settings: RunSettings, cfg: DictConfig, code: int, *,
+              failed: list[dict[str, str]], skipped: list[dict[str, str]], model_name: str, method_name: str,
+              started_s: float) -> dict[str, Any]:
+    """run.json's content (``started_s``: when the summary began, for its ``summary_s``)."""
+    n_new = state.count("done")
+    t = state.timings
+    proc = t.processing_s
+    timings = t.rounded()
+    if state.ranks:  # torchrun: the slowest rank's processing time
+        proc = max(r["timings"].get("processing_s", 0.0) for r in state.ranks)
+    timings["images_per_s"] = round(n_new / proc, 3) if proc > 0 and n_new else None
+    t.summary_s = time.perf_counter() - started_s
+    timings["summary_s"] = round(t.summary_s, 4)
+    statuses = [state.statuses[f.name].as_dict() for f in state.files if f.name in state.statuses]
+    manifest = {
+        "command": "segment",
+        "exit_code": code,
+        "error": state.error,
+        "interrupted": state.interrupted,
+        "started": state.started.isoformat(timespec="seconds"),
+        "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "input": str(state.input_root) if state.input_root else settings.input_desc,
+        "output": str(settings.out),
+        "model": str(model_name),
+        "method": str(method_name),
+        "fingerprint": settings.fingerprint,
+        "counts": {
+            "found": len(state.files),
+            "segmented": n_new,
+            "resumed": state.count("resumed"),
+            "failed": len(failed),
+            "ignored": len(state.ignored),
+        },
+        "device": device_info(state.device),
+        "timings": timings,
+        "config": config_dict(cfg),
+        "versions": package_versions(),
+        "images": statuses,
+        "skipped": skipped,
+    }
+    if state.ranks is not None:  # torchrun: one entry per rank (counts, device, timings)
+        manifest["world_size"] = len(state.ranks)
+        manifest["ranks"] = state.ranks
+    if state.fault is not None and state.error is None:  # it was annotations.json or index.html
+        manifest["error"] = f"cannot write to the output folder: {state.fault}"
+    if state.fault is not None:
+        manifest["exit_code"] = code if code == EXIT_INTERRUPTED else EXIT_FAILED
+    return manifest
+
+
+def write_run_file(state: RunState, settings: RunSettings, name: str, write: Callable[..., Any],
+                   *args: Any, **kwargs: Any) -> bool:
+    """``write(settings.out / name, ...)``; a refused write is noted in ``state``
+    (``unwritten``, ``fault``) instead of raised, so the other run-level files are still tried."""
+    out = settings.out
+    try:
+        write(out / name, *args, **kwargs)
+    except OSError as e:
+        log.debug("writing %s failed", name, exc_info=True)
+        state.unwritten.append(name)
+        if state.fault is None:
+            tmp = e.filename is not None and os.fsdecode(e.filename).endswith(".tmp")
+            state.fault = str(OutputWriteError(out, e, out / name if tmp or e.filename is None else None))
+        return False
+    return True
+
+
+def fault_line(state: RunState, settings: RunSettings) -> str:
+    """The one line of a run the output file system stopped: where, how far it got, how
+    to go on, and which run-level files are missing."""
+    line = (f"cannot write to the output folder {str(settings.out)!r} ({state.fault}); "
+            f"{state.count('done', 'resumed')} of {len(state.files)} images are finished and complete; "
+            "rerun the same command to resume once it can be written")
+    if state.unwritten:
+        line += f"; {', '.join(state.unwritten)} could not be written either"
+    return line
+
+
+def final_line(state: RunState, settings: RunSettings, *, is_main: bool) -> None:
+    """The run's last line: the fault line (rank 0), or where the gallery is (open it)."""
+    if is_main and state.fault is not None:
+        log.error(fault_line(state, settings))
+    elif state.gallery is not None:
+        print(f"gallery: {state.gallery}", flush=True)
