@@ -531,7 +531,7 @@ class SelfCheck:
             "extract_ms": round(t_ext, 3), "regions_ms": round(t_reg, 3),
             "extract_over_forward": round(ext_ratio, 3), "regions_over_forward": round(reg_ratio, 3),
         })
-        args = bench_pipeline._parser().parse_args([
+        args = bench_pipeline.parser().parse_args([
             "--images", str(6 if self.quick else 32), "--model", spec["config"], "--method", "regions",
             "--checkpoint", str(spec["checkpoint"]), "--batch-size", "8", "--device", str(self.device),
             "--repeats", "1" if self.quick else "2", f"model.image_size={self.size}",
@@ -555,7 +555,7 @@ class SelfCheck:
         for config in configs:
             ckpt = ["--checkpoint", str(self.weights)] if config == "dinov2_vits14" and self.weights else []
             for px in sizes:
-                args = bench_pipeline._parser().parse_args([
+                args = bench_pipeline.parser().parse_args([
                     "--images", str(images), "--model", config, "--method", "regions", "--batch-size", str(batch),
                     "--device", str(self.device), "--repeats", "2", *ckpt, f"model.image_size={px}",
                 ])  # no checkpoint: bench_pipeline sets model.pretrained=false

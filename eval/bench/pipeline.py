@@ -46,7 +46,7 @@ from segment.utils import atomic_write_json, torch_threads
 _DEFAULT_CKPT = "weights/dinov2_vits14.safetensors"
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m segment.eval.bench pipeline",
         description="images/s of the whole segment pipeline vs a bare fused forward of the same model",
@@ -345,7 +345,7 @@ def _median_or_none(values: list[float | None]) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m segment.eval.bench pipeline``; returns 0 (measurement done)."""
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     res = run_benchmark(args)
     print(f"segment pipeline benchmark: {res['images']} images ({', '.join(res['input_sizes'])} model input), "
           f"{res['model']} [{res['weights']}], {res['method']}, {res['device']}, "
