@@ -12,7 +12,6 @@ from omegaconf import DictConfig
 
 from segment.run import front
 
-CONFIG_PATH = "pkg://segment.configs"
 front.register_help_resolver()  # ${segment_help:segment-eval} in hydra.help.template
 
 
@@ -28,7 +27,7 @@ def run(cfg: DictConfig) -> int:
     return run_eval(cfg)
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="eval")
+@hydra.main(version_base="1.3", config_path=front.CONFIG_PATH, config_name=front.CONFIG_NAMES["segment-eval"])
 def _main(cfg: DictConfig) -> int:
     code = front.job("segment-eval", lambda: run(cfg))
     if code:  # hydra.main drops the task's return value; exit here so the shell sees it
@@ -37,7 +36,7 @@ def _main(cfg: DictConfig) -> int:
 
 
 def main() -> None:
-    raise SystemExit(front.run_command("segment-eval", "eval", _main))
+    raise SystemExit(front.run_command("segment-eval", _main))
 
 
 if __name__ == "__main__":

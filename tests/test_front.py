@@ -159,6 +159,34 @@ def test_the_python_api_checks_values_like_the_command():
     assert compose_config(layers=-1).method.layers == -1  # one layer as a number, as before
 
 
+def test_one_composition_for_the_commands_and_the_api():
+    """front.compose is the one way to a config: Hydra's compose API on the installed configs,
+    checked once. The API's config is its composition (a defaults list is followed, as
+    the commands follow it), and an app's own Hydra (the @hydra.main job) is put back."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from segment.run.api import compose_config
+    from segment.run.front import UsageError, compose
+
+    cfg = compose("segment", ["model=flux_dev", "method=bounce", "batch_size=2"])
+    api = compose_config("flux_dev", "bounce")
+    assert "defaults" not in api.model and api.model.name == "flux_dev"
+    for key in ("model", "method"):
+        assert OmegaConf.to_container(api[key]) == OmegaConf.to_container(cfg[key])
+    assert cfg.batch_size == 2 and api.batch_size == 8
+    with pytest.raises(UsageError, match=r"unknown setting 'batchsize' \(did you mean 'batch_size'\?\)"):
+        compose("segment", ["+batchsize=4"])
+    with initialize_config_module("segment.configs", version_base="1.3"):  # as inside a job
+        outer = GlobalHydra.instance().hydra
+        assert compose("segment-eval", ["method=tokenrank"]).method.name == "tokenrank"
+        assert GlobalHydra.instance().hydra is outer
+        assert hydra_compose("diagnose").model.name == "dinov2_vits14"
+    assert not GlobalHydra.instance().is_initialized()
+
+
 def test_values_of_the_right_type_pass_the_check():
     from segment.run.front import value_problem
 

@@ -39,6 +39,7 @@ from segment.core.record import AttentionRecord, Capture
 from segment.methods.base import Method
 from segment.models.base import Backbone
 from segment.run.front import (
+    compose,
     config_names,
     run_value_problem,
     show_default,
@@ -62,22 +63,6 @@ API_KEYS = ("batch_size", "max_pixels", "label_upsampling")
 # --------------------------------------------------------------------------- config
 
 
-def _load_yaml(*parts: str) -> DictConfig:
-    from importlib import resources
-
-    node = resources.files("segment.configs").joinpath(*parts)
-    cfg = OmegaConf.create(node.read_text(encoding="utf-8"))
-    assert isinstance(cfg, DictConfig)
-    return cfg
-
-
-def _choose(group: str, name: str) -> DictConfig:
-    names = config_names(group)
-    if name not in names:
-        raise ValueError(f"unknown {group} {name!r}{suggest(name, names)}; choose one of {names}")
-    return _load_yaml(group, f"{name}.yaml")
-
-
 def compose_config(
     model: str = "dinov2_vits14",
     method: str = "regions",
@@ -87,18 +72,26 @@ def compose_config(
 ) -> DictConfig:
     """The config the command would compose for ``model=... method=...`` plus overrides.
 
-    Overrides are routed by name: a key of the model config goes to ``model.KEY``, a key of
-    the method config to ``method.KEY``, ``batch_size``/``max_pixels`` to the run; dotted
-    keys (``**{"model.image_size": 448}``) are taken as they are.
+    The command's config comes from :func:`segment.run.front.compose` (Hydra's compose API,
+    the composition of ``segment`` and ``segment-eval``); the API keeps its model, method,
+    ``device`` and the run settings it honours (:data:`API_KEYS`). Overrides are Python
+    values routed by name: a key of the model config goes to ``model.KEY``, a key of the
+    method config to ``method.KEY``, ``batch_size``/``max_pixels`` to the run; dotted keys
+    (``**{"model.image_size": 448}``) are taken as they are. Each is checked as the command
+    checks its arguments (:func:`segment.run.front.value_problem`).
 
     Raises:
         ValueError: for an unknown model, method or key (with a suggestion), or a key both
             configs have (then name it ``model.KEY`` or ``method.KEY``).
     """
-    run = _load_yaml("segment.yaml")
+    for group, name in (("model", model), ("method", method)):
+        names = config_names(group)
+        if name not in names:
+            raise ValueError(f"unknown {group} {name!r}{suggest(name, names)}; choose one of {names}")
+    run = compose("segment", [f"model={model}", f"method={method}"])
     cfg = OmegaConf.create({
-        "model": _choose("model", model),
-        "method": _choose("method", method),
+        "model": run.model,
+        "method": run.method,
         "device": str(device),
         **{k: run.get(k) for k in API_KEYS},
     })

@@ -12,7 +12,6 @@ from omegaconf import DictConfig
 
 from segment.run import front
 
-CONFIG_PATH = "pkg://segment.configs"
 front.register_help_resolver()  # ${segment_help:segment} in hydra.help.template
 
 
@@ -23,7 +22,7 @@ def run(cfg: DictConfig) -> int:
     return run_segment(cfg)
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="segment")
+@hydra.main(version_base="1.3", config_path=front.CONFIG_PATH, config_name=front.CONFIG_NAMES["segment"])
 def _main(cfg: DictConfig) -> int:
     code = front.job("segment", lambda: run(cfg))
     if code:  # hydra.main drops the task's return value; exit here so the shell sees it
@@ -32,7 +31,7 @@ def _main(cfg: DictConfig) -> int:
 
 
 def main() -> None:
-    raise SystemExit(front.run_command("segment", "segment", _main))
+    raise SystemExit(front.run_command("segment", _main))
 
 
 if __name__ == "__main__":

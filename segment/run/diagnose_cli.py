@@ -13,7 +13,6 @@ from omegaconf import DictConfig
 
 from segment.run import front
 
-CONFIG_PATH = "pkg://segment.configs"
 front.register_help_resolver()  # ${segment_help:segment-diagnose} in hydra.help.template
 
 
@@ -24,7 +23,7 @@ def run(cfg: DictConfig) -> int:
     return run_diagnose(cfg)
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="diagnose")
+@hydra.main(version_base="1.3", config_path=front.CONFIG_PATH, config_name=front.CONFIG_NAMES["segment-diagnose"])
 def _main(cfg: DictConfig) -> int:
     code = front.job("segment-diagnose", lambda: run(cfg))
     if code:  # hydra.main drops the task's return value; exit here so the shell sees it
@@ -33,7 +32,7 @@ def _main(cfg: DictConfig) -> int:
 
 
 def main() -> None:
-    raise SystemExit(front.run_command("segment-diagnose", "diagnose", _main))
+    raise SystemExit(front.run_command("segment-diagnose", _main))
 
 
 if __name__ == "__main__":

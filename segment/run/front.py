@@ -5,9 +5,10 @@ Hydra alone turns a typo into exit 1 (``batchsize=4``) or silently ignores it
 and prints a traceback of its log handler when the output cannot be written. So
 :func:`run_command`, around the ``@hydra.main`` function:
 
-1. checks the command line against the composed config: unknown keys (with or without
-   ``+``/``++``, or a ``~`` deletion) and unknown config-group options exit 2 with a
-   did-you-mean; groups the command does not use (``segment dataset=...``) exit 2;
+1. composes the config with :func:`compose` and checks the command line against it:
+   unknown keys (with or without ``+``/``++``, or a ``~`` deletion) and unknown
+   config-group options exit 2 with a did-you-mean; groups the command does not use
+   (``segment dataset=...``) exit 2;
 2. checks that the output folder can be created and written (not a file, not under a
    file, not read-only): exit 2 with one line naming it;
 3. runs Hydra; the job's exit code comes back through ``SystemExit`` (Hydra drops return
@@ -16,7 +17,10 @@ and prints a traceback of its log handler when the output cannot be written. So
    it and it holds only Hydra's own files (``.hydra/``, ``*.log``) and empty folders, and the empty parent
    folders it created (``outputs/eval/DATE/TIME``): nothing is left behind.
 
-It also provides the ``--help`` text (``hydra.help.template`` in ``configs/segment.yaml``
+:func:`compose` is the one way to a config: the commands' pre-check, the Python API
+(:func:`segment.run.api.compose_config`) and the evaluator's ``methods=[NAME]`` entries
+compose through it (Hydra's compose API on the installed ``configs/``). It also provides
+the ``--help`` text (``hydra.help.template`` in ``configs/segment.yaml``
 and ``configs/eval.yaml`` interpolates ``${segment_help:COMMAND}``).
 
 Exit codes (:mod:`segment.utils`): 0 done, 1 nothing could be processed, 2 unusable input
@@ -38,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 EXIT_FAILED = 1  # = segment.utils.EXIT_FAILED (not imported: that module loads torch)
 EXIT_BAD_INPUT = 2  # = segment.utils.EXIT_BAD_INPUT
@@ -46,6 +50,9 @@ EXIT_BUSY = 3  # = segment.utils.EXIT_BUSY
 EXIT_INTERRUPTED = 130
 
 CONFIG_MODULE = "segment.configs"
+CONFIG_PATH = f"pkg://{CONFIG_MODULE}"  # the same configs for @hydra.main (segment/run/cli.py ...)
+CONFIG_NAMES = {"segment": "segment", "segment-eval": "eval", "segment-diagnose": "diagnose"}
+"""Each command's primary config, ``configs/<name>.yaml``."""
 
 # keys under which new entries may be added with `+`: free-form argument dicts
 _OPEN_NODES = ("model.model_kwargs", "methods")
@@ -269,13 +276,29 @@ def show_default(v: Any) -> str:
     return "null" if v is None else repr(v)
 
 
-def _compose(config_name: str, overrides: Sequence[str]) -> Any:
-    from hydra import compose, initialize_config_module
+def hydra_compose(config_name: str, overrides: Sequence[str] = ()) -> DictConfig:
+    """``configs/<config_name>.yaml`` composed by Hydra's compose API with ``overrides``
+    (Hydra's syntax), from the installed configs (:data:`CONFIG_MODULE`), unchecked: use
+    :func:`compose`. A Hydra app already running in this process (the ``@hydra.main`` job,
+    a caller's own ``initialize``) is put back afterwards.
+
+    Raises:
+        Exception: what Hydra raises (an unknown key, a broken config...).
+    """
+    from hydra import compose as hydra_compose_api
+    from hydra import initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
+    outer = GlobalHydra.instance().hydra
     GlobalHydra.instance().clear()
-    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-        return compose(config_name, overrides=list(overrides))
+    try:
+        with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+            return hydra_compose_api(config_name, overrides=list(overrides))
+    finally:
+        gh = GlobalHydra.instance()  # initialize_config_module puts a new instance back
+        gh.clear()
+        if outer is not None:
+            gh.initialize(outer)
 
 
 # the config groups of every command (one place: the pre-check and --help read it)
@@ -284,27 +307,74 @@ COMMAND_GROUPS = {"segment": ("model", "method"), "segment-eval": ALL_GROUPS,
                   "segment-diagnose": ("model",)}
 
 
-def check_overrides(command: str, config_name: str, args: Sequence[str]) -> Any:
-    """Validate ``KEY=VALUE`` arguments; returns the composed config.
+def compose(command: str, args: Sequence[str] = ()) -> DictConfig:
+    """The config of ``command`` for the ``KEY=VALUE`` arguments ``args``: the one way in.
+
+    ``segment``, ``segment-eval`` and ``segment-diagnose`` (:func:`run_command`, before
+    Hydra's job), the Python API (:func:`segment.run.api.compose_config`) and the
+    evaluator's ``methods=[NAME]`` entries all compose here, by Hydra's compose API
+    (:func:`hydra_compose`) from ``configs/<name>.yaml`` (:data:`CONFIG_NAMES`), and the
+    arguments are checked on the composition once: the group options first
+    (:func:`check_groups`), then every key and value against the config those options
+    compose (:func:`check_overrides`); the config of all the arguments is composed last.
 
     Raises:
         UsageError: unparsable argument, unknown group option, group the command does not
-            use, or unknown key (each with a suggestion where one is close).
+            use, unknown key or a value of the wrong type (each with a suggestion where one
+            is close), or a config Hydra cannot compose (its first line).
+    """
+    config_name = CONFIG_NAMES[command]
+    overrides = parse_overrides(args)
+    choices = check_groups(command, overrides)
+    try:
+        base = hydra_compose(config_name, choices)
+    except Exception as e:  # noqa: BLE001 - a broken experiment file etc.: one line
+        raise UsageError(f"cannot compose the config: {str(e).strip().splitlines()[0]}") from None
+    check_overrides(command, overrides, base)
+    everything = [o.input_line for o in overrides]
+    if everything == choices:  # only group options: that is the config
+        return base
+    try:
+        return hydra_compose(config_name, everything)
+    except Exception as e:  # noqa: BLE001
+        raise UsageError(f"bad settings: {str(e).strip().splitlines()[0]}") from None
+
+
+def parse_overrides(args: Sequence[str]) -> list[Any]:
+    """``KEY=VALUE`` arguments as Hydra's ``Override`` objects.
+
+    Raises:
+        UsageError: an argument Hydra cannot parse.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
     try:
-        overrides = OverridesParser.create().parse_overrides(list(args))
+        return OverridesParser.create().parse_overrides(list(args))
     except HydraException as e:
         raise UsageError(f"cannot parse the arguments: {str(e).strip().splitlines()[0]}") from None
+
+
+def _is_choice(o: Any) -> bool:
+    """A config group option (``model=NAME``), not a key, a package override or a deletion."""
+    return o.key_or_group in ALL_GROUPS and o.package is None and not o.is_delete()
+
+
+def check_groups(command: str, overrides: Sequence[Any]) -> list[str]:
+    """The config group options among ``overrides`` (``model=NAME``...), checked; returns
+    them as Hydra overrides (without ``+``).
+
+    Raises:
+        UsageError: a group the command does not use, or an option that is not a file of
+            ``configs/<group>`` (with a suggestion).
+    """
     groups = COMMAND_GROUPS[command]
     choices = []
     for o in overrides:
         key = o.key_or_group
         if o.is_hydra_override():
             continue
-        if key in ALL_GROUPS and o.package is None and not o.is_delete():
+        if _is_choice(o):
             if key not in groups:
                 raise UsageError(f"{command} has no {key!r} settings (its config groups: "
                                  f"{', '.join(groups)})")
@@ -315,15 +385,23 @@ def check_overrides(command: str, config_name: str, args: Sequence[str]) -> Any:
             if value not in names:
                 raise UsageError(f"unknown {key} {value!r}{suggest(value, names)}; choose one of: {', '.join(names)}")
             choices.append(o.input_line.lstrip("+"))
-    try:
-        base = _compose(config_name, choices)
-    except Exception as e:  # noqa: BLE001 - a broken experiment file etc.: one line
-        raise UsageError(f"cannot compose the config: {str(e).strip().splitlines()[0]}") from None
+    return choices
+
+
+def check_overrides(command: str, overrides: Sequence[Any], base: DictConfig) -> None:
+    """Check the ``KEY=VALUE`` overrides (not the group options) against ``base``, the
+    config their group options compose: every key must exist (or sit under an open node,
+    ``model.model_kwargs``, ``methods``), and a value must suit the default's type
+    (:func:`value_problem`) and the run setting's range (:func:`run_value_problem`).
+
+    Raises:
+        UsageError: unknown key or bad value, naming it, the default and a suggestion.
+    """
     tree = OmegaConf.to_container(base, resolve=False)
     known = [k for k in _flatten_keys(tree) if not k.endswith("_target_")]
     for o in overrides:
         key = o.key_or_group
-        if o.is_hydra_override() or (key in ALL_GROUPS and o.package is None and not o.is_delete()):
+        if o.is_hydra_override() or _is_choice(o):
             continue
         default = _get(tree, key)
         if default is not _MISSING:
@@ -343,10 +421,6 @@ def check_overrides(command: str, config_name: str, args: Sequence[str]) -> Any:
         what = "unknown setting" if not o.is_delete() else "cannot delete unknown setting"
         raise UsageError(f"{what} {key!r}{suggest(key, known)}; see {command} --help "
                          f"(and `{command} --cfg job` for every key)")
-    try:
-        return _compose(config_name, [o.input_line for o in overrides])
-    except Exception as e:  # noqa: BLE001
-        raise UsageError(f"bad settings: {str(e).strip().splitlines()[0]}") from None
 
 
 def check_output(output: str | os.PathLike) -> Plan:
@@ -441,15 +515,22 @@ def cleanup(plan: Plan) -> None:
 # --------------------------------------------------------------------------- the command
 
 
-def run_command(command: str, config_name: str, hydra_main: Callable[[], Any],
-                argv: Sequence[str] | None = None) -> int:
-    """Pre-check, run the ``@hydra.main`` function, map its outcome to an exit code."""
+def run_command(command: str, hydra_main: Callable[[], Any], argv: Sequence[str] | None = None) -> int:
+    """Pre-check, run the ``@hydra.main`` function, map its outcome to an exit code.
+
+    The pre-check composes the config by :func:`compose` (the arguments checked once);
+    ``hydra_main`` (``@hydra.main`` on :data:`CONFIG_PATH` and ``CONFIG_NAMES[command]``,
+    the same configs) then composes the job's config from the same arguments, with Hydra's
+    own node: the job's name, its run folder (``hydra.run.dir: ${output}``), its logging
+    into ``<output>/<job>.log`` and ``.hydra/``, and the flags it alone handles (``--help``,
+    ``--cfg``, ``-m``, ``--config-dir``...).
+    """
     args = list(sys.argv[1:] if argv is None else argv)
     plan = Plan()
     flags = [a for a in args if a.startswith("-") and not a.startswith("~")]
     try:
         if not flags:  # --help, --cfg, -m ...: Hydra's own business
-            cfg = check_overrides(command, config_name, args)
+            cfg = compose(command, args)
             if cfg.get("output"):
                 plan = check_output(str(cfg.output))
             if command == "segment" and plan.output is not None and os.environ.get("RANK", "0") == "0":
