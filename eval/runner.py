@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from segment.datasets.base import DataError
+from segment.datasets.base import DataError, Sample, SegmentationDataset
 from segment.eval import dist
 from segment.eval.cache import MetricCache, fingerprint
 from segment.eval.metrics import (
@@ -55,7 +55,7 @@ from segment.eval.metrics import (
     state_from_dict,
     total,
 )
-from segment.eval.panels import panel_tiles, write_sample_panel
+from segment.eval.panels import PanelRows, panel_tiles, write_sample_panel
 from segment.eval.scoring import (
     batch_originals,
     batch_targets,
@@ -176,6 +176,61 @@ def run_eval(cfg: DictConfig) -> int:
         dist.close(ctx)
 
 
+@dataclass
+class _Timing:
+    """Where the scoring time of this rank went (seconds) and how many images each method
+    scored now (not from the cache)."""
+
+    method_s: dict[str, float] = field(default_factory=dict)
+    images: dict[str, int] = field(default_factory=dict)
+    build_s: float = 0.0  # building the backbone (not counted in images_per_s)
+
+
+TIMING_KEYS = ("images_per_s", "method_ms_per_image")
+"""Keys of a results row that are measurements of this run, not scores: ``images_per_s``,
+the images scored per second by the whole run (reading, one backbone pass, every method,
+scoring; rank 0); ``method_ms_per_image``, this method's own time per image. ``null``
+when the row came from the metric cache only."""
+
+
+@dataclass(frozen=True)
+class ScoreJob:
+    """What scoring this rank's images and writing the table need, named: one per run.
+
+    Frozen: the fields stay the same objects for the whole run; ``states``, ``fallbacks``
+    and ``timing`` are filled in as images are scored.
+
+    Attributes:
+        cfg: the ``segment-eval`` config (``batch_size``, ``num_workers``, ``panels``, ...).
+        ctx: this process's place in the torchrun group.
+        dataset: the data set; its ``task`` decides how images are scored.
+        specs: the methods, instantiated, with their cache keys.
+        cache: the per-image metric cache.
+        out_dir: the output folder (panels go to ``out_dir/panels``).
+        mask_at: ``"image"`` or ``"grid"``: where binary masks are thresholded.
+        states: data set index -> method key -> metric state, this rank's images.
+        fallbacks: data set index -> whether a text-conditioned backbone was prompted with
+            the default class (``None``: no prompt was used).
+        timing: where this rank's time went.
+    """
+
+    cfg: DictConfig
+    ctx: dist.DistContext
+    dataset: SegmentationDataset
+    specs: Sequence[MethodSpec]
+    cache: MetricCache
+    out_dir: Path
+    mask_at: str
+    states: dict[int, dict[str, State]]
+    fallbacks: dict[int, bool | None]
+    timing: _Timing = field(default_factory=_Timing)
+
+
+# what the ranks gather: per rank, data set index -> method key -> state (as a dict), and the
+# prompt fallbacks
+Gathered = list[tuple[dict[int, dict[str, dict]], dict[int, bool | None]]]
+
+
 def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
     out_dir = Path(dist.broadcast(str(output_dir(cfg)), ctx))
     mask_at = str(cfg.get("mask_at", "image"))
@@ -198,64 +253,91 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
     for s in specs:
         s.method = instantiate_method(s)
         s.key = method_key(s)
+    names = _item_names(cfg, dataset)
+    indices = list(range(len(names)))
+
+    cache = MetricCache(out_dir / "cache" / fingerprint(cfg, getattr(dataset, "selection_keys", ())),
+                        enabled=bool(cfg.get("cache", True)))
+    mine = dist.shard(indices, ctx)
+    job = ScoreJob(cfg=cfg, ctx=ctx, dataset=dataset, specs=specs, cache=cache, out_dir=out_dir,
+                   mask_at=mask_at, states={}, fallbacks={})
+    todo = _read_cache(job, names, mine)
+
+    t0 = time.perf_counter()
+    if todo or ctx.distributed:  # under torchrun every rank checks, so all refuse alike
+        backbone = _build_backbone(job)
+    if todo:
+        _score(job, backbone, todo)
+    elapsed = time.perf_counter() - t0 - job.timing.build_s
+
+    # one collective: every rank's per-image states and prompt fallbacks together
+    mine_out = ({i: {k: v.to_dict() for k, v in st.items()} for i, st in job.states.items()}, job.fallbacks)
+    gathered = dist.gather(mine_out, ctx)
+    if not ctx.is_main:
+        return EXIT_OK
+    results = _table(job, gathered or [], indices, len(todo), elapsed, reps)
+    results.write(out_dir)
+    atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+    print(results.markdown(), end="")
+    if todo:
+        log.info("scored %d images in %.1f s (%.2f images/s on rank 0)", len(todo), elapsed, len(todo) / max(elapsed, 1e-9))
+    log.info("results in %s", out_dir)
+    return EXIT_OK
+
+
+def _item_names(cfg: DictConfig, dataset: SegmentationDataset) -> list[str]:
+    """The names of the items to score: the first ``limit`` of the data set (all without)."""
     n = len(dataset)
     limit = cfg.get("limit")
     if limit is not None:
         if int(limit) < 1:
             raise ConfigError(f"limit must be a positive number of images, got {limit}")
         n = min(n, int(limit))
-    indices = list(range(n))
-    names = [dataset.name(i) for i in indices]
+    names = [dataset.name(i) for i in range(n)]
     if len(set(names)) != len(names):
         raise ConfigError(f"{type(dataset).__name__}: item names are not unique")
+    return names
 
-    cache_root = out_dir / "cache"
-    cache = MetricCache(cache_root / fingerprint(cfg, getattr(dataset, "selection_keys", ())),
-                        enabled=bool(cfg.get("cache", True)))
-    mine = dist.shard(indices, ctx)
-    keys = [s.key for s in specs]
-    states: dict[int, dict[str, State]] = {}
-    fallbacks: dict[int, bool | None] = {}
+
+def _read_cache(job: ScoreJob, names: Sequence[str], mine: Sequence[int]) -> list[int]:
+    """Fill ``job.states`` and ``job.fallbacks`` of this rank's images ``mine`` from the
+    metric cache (logging what was reused); returns the images some method still lacks."""
+    cache, ctx = job.cache, job.ctx
+    keys = [s.key for s in job.specs]
     todo = []
     reused = 0
     for i in mine:
         entry = cache.load_entry(names[i])
-        states[i] = entry.states
-        fallbacks[i] = entry.prompt_fallback
+        job.states[i] = entry.states
+        job.fallbacks[i] = entry.prompt_fallback
         reused += sum(k in entry.states for k in keys)
         if any(k not in entry.states for k in keys):
             todo.append(i)
     log.info(
         "rank %d/%d: %d images, %d with every row in the metric cache, %d to score with %d methods",
-        ctx.rank, ctx.world_size, len(mine), len(mine) - len(todo), len(todo), len(specs),
+        ctx.rank, ctx.world_size, len(mine), len(mine) - len(todo), len(todo), len(job.specs),
     )
     if cache.enabled:
-        others = [p for p in cache_root.iterdir() if p.is_dir() and p != cache.root]
+        others = [p for p in cache.root.parent.iterdir() if p.is_dir() and p != cache.root]
         log.info(
             "metric cache %s: reused %d of %d (image, method) results%s", cache.root, reused,
             len(mine) * len(keys),
             f"; {len(others)} other cache folder(s) (another model, data set, post-processing,"
             " package version or code) not used" if others else "",
         )
+    return todo
 
-    t0 = time.perf_counter()
-    timing = _Timing()
-    if todo or ctx.distributed:  # under torchrun every rank checks, so all refuse alike
-        backbone = _build_backbone(cfg, ctx, specs, timing)
-    if todo:
-        _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at, fallbacks, timing, backbone)
-    elapsed = time.perf_counter() - t0 - timing.build_s
 
-    # one collective: every rank's per-image states and prompt fallbacks together
-    mine_out = ({i: {k: v.to_dict() for k, v in st.items()} for i, st in states.items()}, fallbacks)
-    gathered = dist.gather(mine_out, ctx)
-    if not ctx.is_main:
-        return EXIT_OK
+def _table(job: ScoreJob, gathered: Gathered, indices: Sequence[int], scored_now: int,
+           elapsed: float, reps: int) -> Results:
+    """The results table from every rank's per-image states (``gathered``), summed in data
+    set order; ``scored_now`` images took ``elapsed`` seconds on this rank."""
     per_image: dict[int, dict[str, dict]] = {}
     prompted: dict[int, bool | None] = {}
-    for part_states, part_prompted in gathered or []:
+    for part_states, part_prompted in gathered:
         per_image.update(part_states)
         prompted.update(part_prompted)
+    dataset, specs, timing = job.dataset, job.specs, job.timing
     empty = {"binary": lambda: BinaryState(), "regions": lambda: RegionState(),
              "multiclass": lambda: MulticlassState.zero(dataset.num_classes)}[dataset.task]
     names = class_names_of(dataset) if dataset.task == "multiclass" else ()
@@ -264,12 +346,12 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
         acc = total((state_from_dict(per_image[i][s.key]) for i in indices), empty())
         row = table_row(s.label, acc, names)
         scored = timing.images.get(s.key, 0)
-        row["images_per_s"] = round(len(todo) / elapsed, 4) if todo and scored else None
+        row["images_per_s"] = round(scored_now / elapsed, 4) if scored_now and scored else None
         row["method_ms_per_image"] = round(1e3 * timing.method_s[s.key] / scored, 3) if scored else None
         results.rows.append(row)
     if reps and len(indices) > 1:  # the same resampled images for every row: paired deltas
         boot = bootstrap({s.key: [state_from_dict(per_image[i][s.key]) for i in indices] for s in specs},
-                         reps=reps, level=0.95, seed=int(cfg.get("seed") or 0))
+                         reps=reps, level=0.95, seed=int(job.cfg.get("seed") or 0))
         add_intervals(results, boot, [s.key for s in specs])
     if any(prompted.get(i) is not None for i in indices):  # a text-conditioned backbone
         count = sum(bool(prompted.get(i)) for i in indices)
@@ -278,13 +360,7 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
         if count:
             log.warning("%d of %d images had no class name and were prompted with the default"
                         " class", count, len(indices))
-    results.write(out_dir)
-    atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg))
-    print(results.markdown(), end="")
-    if todo:
-        log.info("scored %d images in %.1f s (%.2f images/s on rank 0)", len(todo), elapsed, len(todo) / max(elapsed, 1e-9))
-    log.info("results in %s", out_dir)
-    return EXIT_OK
+    return results
 
 
 def batch_prompts(classes: Sequence[str | None], default: str | None,
@@ -306,37 +382,20 @@ def batch_prompts(classes: Sequence[str | None], default: str | None,
     return [default if c is None else c for c in classes]  # type: ignore[misc]
 
 
-@dataclass
-class _Timing:
-    """Where the scoring time of this rank went (seconds) and how many images each method
-    scored now (not from the cache)."""
-
-    method_s: dict[str, float] = field(default_factory=dict)
-    images: dict[str, int] = field(default_factory=dict)
-    build_s: float = 0.0  # building the backbone (not counted in images_per_s)
-
-
-TIMING_KEYS = ("images_per_s", "method_ms_per_image")
-"""Keys of a results row that are measurements of this run, not scores: ``images_per_s``,
-the images scored per second by the whole run (reading, one backbone pass, every method,
-scoring; rank 0); ``method_ms_per_image``, this method's own time per image. ``null``
-when the row came from the metric cache only."""
-
-
-def _build_backbone(cfg, ctx, specs, timing: _Timing) -> Backbone:
+def _build_backbone(job: ScoreJob) -> Backbone:
     """The model, with every method checked against it (:func:`segment.run.api.check_method`:
     layers it lacks, knobs that need pixels it does not provide): before the first batch,
     one line, exit 2."""
     from segment.run.api import check_method
 
     t_build = time.perf_counter()
-    backbone = instantiate_model(cfg, ctx.device)
-    for s in specs:
+    backbone = instantiate_model(job.cfg, job.ctx.device)
+    for s in job.specs:
         try:
             check_method(s.method, backbone)
         except (ValueError, TypeError) as e:
             raise ConfigError(f"method {s.label!r} cannot run on this model: {e}") from e
-    timing.build_s = time.perf_counter() - t_build
+    job.timing.build_s = time.perf_counter() - t_build
     return backbone
 
 
@@ -350,47 +409,47 @@ def input_size_groups(backbone: Backbone, images: Sequence[Any]) -> list[list[in
     return list(groups.values())
 
 
-def _score(cfg, ctx, dataset, specs, todo, states, cache, out_dir, mask_at, fallbacks,
-           timing: _Timing, backbone: Backbone) -> None:
+def _score(job: ScoreJob, backbone: Backbone, todo: list[int]) -> None:
+    """Score this rank's images ``todo`` (data set indices) in batches."""
     from torch.utils.data import DataLoader, Subset
     from tqdm import tqdm
 
+    cfg = job.cfg
     loader = DataLoader(
-        Subset(dataset, todo),
+        Subset(job.dataset, todo),
         batch_size=int(cfg.get("batch_size", 8)),
         shuffle=False,
         num_workers=int(cfg.get("num_workers", 0) or 0),
         collate_fn=list,
     )
     bar = tqdm(total=len(todo), desc="segment-eval", unit="img",
-               disable=not ctx.is_main or not cfg.get("progress", True), dynamic_ncols=True)
+               disable=not job.ctx.is_main or not cfg.get("progress", True), dynamic_ncols=True)
     pos = 0
     for batch in loader:
         idx = todo[pos : pos + len(batch)]
         pos += len(batch)
         # one backbone pass per input size (model.match_orientation: portrait and landscape)
         for part in input_size_groups(backbone, [s.image for s in batch]):
-            _score_batch(cfg, dataset, specs, [batch[j] for j in part], [idx[j] for j in part], states,
-                         cache, out_dir, mask_at, fallbacks, timing, backbone)
+            _score_batch(job, backbone, [batch[j] for j in part], [idx[j] for j in part])
         bar.update(len(batch))
     bar.close()
 
 
-def _score_batch(cfg, dataset, specs, batch, idx, states, cache, out_dir, mask_at, fallbacks,
-                 timing: _Timing, backbone: Backbone) -> None:
+def _score_batch(job: ScoreJob, backbone: Backbone, batch: list[Sample], idx: list[int]) -> None:
     """Score the images ``batch`` (data set indices ``idx``, one input size) with every
     method that lacks them: one backbone pass, then the metric states, cache files and panels."""
+    dataset, states, timing = job.dataset, job.states, job.timing
     prompted = backbone.text_conditioned  # FLUX: a class word per image, else the default
     default_class = backbone.default_class
-    panels = int(cfg.get("panels", 4) or 0)
-    need = [s for s in specs if any(s.key not in states[i] for i in idx)]
+    panels = int(job.cfg.get("panels", 4) or 0)
+    need = [s for s in job.specs if any(s.key not in states[i] for i in idx)]
     capture = union_capture([s.method for s in need], backbone.num_layers)
     pixels = backbone.collate([s.image for s in batch])
     classes = [s.class_name for s in batch]
     if prompted:
         prompts = batch_prompts(classes, default_class, [s.name for s in batch])
         for j, i in enumerate(idx):
-            fallbacks[i] = classes[j] is None
+            job.fallbacks[i] = classes[j] is None
         if any(c is None for c in classes):
             log.warning("no class name for %s: prompted with the default class %r",
                         ", ".join(s.name for s, c in zip(batch, classes) if c is None),
@@ -400,14 +459,14 @@ def _score_batch(cfg, dataset, specs, batch, idx, states, cache, out_dir, mask_a
     with torch.inference_mode():
         record: AttentionRecord = backbone.extract(pixels, capture, prompts=prompts)
         targets = batch_targets(batch)
-        panel_rows: dict[int, list] = {j: [] for j, i in enumerate(idx) if i < panels}
+        panel_rows: PanelRows = {j: [] for j, i in enumerate(idx) if i < panels}
         outs = []
         for s in need:
             t_s = time.perf_counter()
             outs.append(s.method(record))
             timing.method_s[s.key] = timing.method_s.get(s.key, 0.0) + time.perf_counter() - t_s
         if dataset.task == "binary":  # all methods' maps of the batch scored together
-            new_all = score_binary_many(outs, targets, mask_at, batch_originals(batch))
+            new_all = score_binary_many(outs, targets, job.mask_at, batch_originals(batch))
         elif dataset.task == "regions":
             new_all = [score_regions(o, targets, s.label) for s, o in zip(need, outs)]
         else:
@@ -417,10 +476,10 @@ def _score_batch(cfg, dataset, specs, batch, idx, states, cache, out_dir, mask_a
                 states[i][s.key] = new[j]
             timing.images[s.key] = timing.images.get(s.key, 0) + len(idx)
             if panel_rows:
-                panel_tiles(panel_rows, out, targets, mask_at, s.label, dataset.task,
+                panel_tiles(panel_rows, out, targets, job.mask_at, s.label, dataset.task,
                             dataset.num_classes)
     for j, i in enumerate(idx):
-        cache.save(batch[j].name, states[i], fallbacks.get(i))
+        job.cache.save(batch[j].name, states[i], job.fallbacks.get(i))
     for j, rows in panel_rows.items():
-        write_sample_panel(out_dir, batch[j], rows, dataset.task,
+        write_sample_panel(job.out_dir, batch[j], rows, dataset.task,
                            class_names_of(dataset) if dataset.task == "multiclass" else ())
