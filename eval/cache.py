@@ -2,8 +2,10 @@
 
 The fingerprint (:func:`fingerprint`) covers the model, the data set, the post-processing,
 the package version, :data:`CACHE_VERSION` and the source of the backbone, data set and
-scoring modules; each image's file holds one state per method, keyed by the method's config
-and the source of its class's modules and of the Markov core
+scoring modules (the record, reduction, masks and metrics modules and the backbone and data
+set bases; a change elsewhere that changes scores, e.g. in :mod:`segment.eval.scoring`,
+must raise :data:`CACHE_VERSION`). Each image's file holds one state per method, keyed by
+the method's config and the source of its class's modules and of the Markov core
 (:func:`segment.eval.specs.method_key`), so a rerun with the same ``output`` skips images
 already scored, adding a method scores only that method, and an upgrade or a code change
 never mixes old and new numbers.
