@@ -58,7 +58,7 @@ def manifest(root: Path, paths: tuple[Path, ...] = ()) -> dict[str, str]:
         if p.suffix == ".json":
             data = json.dumps(_clean(json.loads(data)), sort_keys=True).encode()
         elif p.suffix in (".html", ".md", ".csv"):
-            text = data.decode()
+            text = data.decode().replace("<wbr>", "")  # the gallery's line-break hints
             for q in paths:
                 for form in (os.path.relpath(q, p.parent), str(q)):
                     text = text.replace(form, "INPUT")
