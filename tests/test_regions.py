@@ -398,7 +398,7 @@ def test_default_recipe_beats_cls_attention_on_ecssd_dev(dinov2_weights, ecssd_d
     from hydra.utils import instantiate
     from PIL import Image
     from segment.eval.metrics import BinaryState, total
-    from segment.eval.runner import score_binary
+    from segment.eval.scoring import score_binary
     from segment.models.vit import TimmViT
 
     with initialize_config_module(version_base="1.3", config_module="segment.configs"):
