@@ -206,7 +206,7 @@ def test_escape_cuts_refuse_bad_settings():
     rec, _, _ = _planted()
     rec.keys = {}
     with pytest.raises(ValueError, match="needs the keys of layer 0"):
-        EscapeCuts(layers=[0], score_layers=[0], refine_steps=0, chain="attention",
+        EscapeCuts(cut_chain="keys", layers=[0], score_layers=[0], refine_steps=0, chain="attention",
                    score="cls")(rec)
 
 

@@ -80,7 +80,7 @@ def _choose(group: str, name: str) -> DictConfig:
 
 def compose_config(
     model: str = "dinov2_vits14",
-    method: str = "regions",
+    method: str = "cuts",
     checkpoint: str | os.PathLike | None = None,
     device: str = "auto",
     **overrides: Any,
@@ -481,7 +481,7 @@ class Segmenter:
 
 def load(
     model: str = "dinov2_vits14",
-    method: str = "regions",
+    method: str = "cuts",
     checkpoint: str | os.PathLike | None = None,
     device: str = "auto",
     **overrides: Any,
