@@ -466,7 +466,7 @@ def read_labels(path: str | Path) -> dict[str, int]:
 
 
 def _settings(cfg: DictConfig) -> tuple[Path, tuple[float, ...], tuple[str, ...]]:
-    from segment.eval.runner import ConfigError
+    from segment.eval.specs import ConfigError
 
     node = cfg.get("masking")
     if node is None or OmegaConf.is_missing(node, "input"):
@@ -486,7 +486,7 @@ def _settings(cfg: DictConfig) -> tuple[Path, tuple[float, ...], tuple[str, ...]
 
 
 def _references_of(cfg: DictConfig, labels: Sequence[str]) -> tuple[str, ...]:
-    from segment.eval.runner import ConfigError
+    from segment.eval.specs import ConfigError
 
     refs = tuple(str(r) for r in (cfg.masking.get("compare") or (RANDOM,)))
     unknown = [r for r in refs if r not in labels]
@@ -508,7 +508,7 @@ def _size_pair(size: Any) -> list[int]:
 def run_masking(cfg: DictConfig) -> int:
     """The token-masking experiment (module docstring); returns the exit code: 0 done,
     1 no image could be read, 2 unusable settings or input, 130 interrupted."""
-    from segment.eval.runner import ConfigError
+    from segment.eval.specs import ConfigError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -525,21 +525,14 @@ def run_masking(cfg: DictConfig) -> int:
 def _run(cfg: DictConfig) -> int:
     from tqdm import tqdm
 
-    from segment.eval.runner import (
-        ConfigError,
-        _bootstrap_reps,
-        _instantiate_model,
-        _output_dir,
-        instantiate_method,
-        resolve_methods,
-        union_capture,
-    )
+    from segment.eval.runner import bootstrap_reps, instantiate_model, output_dir
+    from segment.eval.specs import ConfigError, instantiate_method, resolve_methods, union_capture
     from segment.run.io import ImageReadError, InputError, find_images, read_image
     from segment.utils import resolve_device
 
     folder, fractions, orders = _settings(cfg)
-    reps = _bootstrap_reps(cfg)
-    out_dir = _output_dir(cfg)
+    reps = bootstrap_reps(cfg)
+    out_dir = output_dir(cfg)
     try:
         listing = find_images(folder)
     except InputError as e:
@@ -569,7 +562,7 @@ def _run(cfg: DictConfig) -> int:
         device = resolve_device(cfg.get("device", "auto"))
     except ValueError as e:
         raise ConfigError(f"device: {e}") from None
-    backbone = _instantiate_model(cfg, device)
+    backbone = instantiate_model(cfg, device)
     if not backbone.can_drop_tokens:
         raise ConfigError(
             f"model {backbone.name} ({type(backbone).__name__}) cannot drop tokens"

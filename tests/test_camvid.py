@@ -85,7 +85,7 @@ def test_segment_labels_score_like_segment_eval(camvid_three, dinov2_weights, tm
                                          f"output={ev_out}", "panels=0", "progress=false"])
     assert run_eval(cfg) == EXIT_OK
     (row,) = json.loads((ev_out / "results.json").read_text())
-    assert row["method"] == "regions" and row["images"] == 3
+    assert row["method"] == "cuts" and row["images"] == 3
     for key in ("pixAcc", "mIoU", "regions"):
         assert row[key] == pytest.approx(outside[key], abs=1e-9), key
     assert row["pixAcc"] > 40 and row["regions"] >= 2  # real segments of road scenes

@@ -206,7 +206,7 @@ def test_escape_cuts_refuse_bad_settings():
     rec, _, _ = _planted()
     rec.keys = {}
     with pytest.raises(ValueError, match="needs the keys of layer 0"):
-        EscapeCuts(layers=[0], score_layers=[0], refine_steps=0, chain="attention",
+        EscapeCuts(cut_chain="keys", layers=[0], score_layers=[0], refine_steps=0, chain="attention",
                    score="cls")(rec)
 
 
@@ -272,3 +272,33 @@ def test_cuts_keep_the_mask_and_heatmap_of_regions_on_real_attention(dinov2_weig
     k = len(cuts_out.escape[0])
     assert 2 <= k <= 30
     assert all(0.0 <= float(e) < 1.0 for e in cuts_out.escape[0])
+
+
+def test_padded_batched_cuts_equal_each_chain_cut_alone():
+    # chains of different sizes padded into one batch: each cut is that of the chain alone
+    ws = [planted_affinity(2, 5, 0.1, noise=0.05, seed=1)[0],
+          planted_affinity(3, 4, 0.2, noise=0.05, seed=2)[0],
+          planted_affinity(2, 9, 0.05, noise=0.05, seed=3)[0]]
+    m = max(w.shape[0] for w in ws)
+    pad = torch.zeros(len(ws), m, m, dtype=torch.float64)
+    for r, w in enumerate(ws):
+        pad[r, : w.shape[0], : w.shape[0]] = w
+        pad[r, w.shape[0]:, :] = 7.0  # whatever the padding holds is ignored
+    ncut, side = cuts.best_cuts(pad, torch.tensor([w.shape[0] for w in ws]))
+    for r, w in enumerate(ws):
+        alone, one = cuts.best_cut(w)
+        assert float(ncut[r]) == pytest.approx(alone, abs=1e-9)
+        k = w.shape[0]
+        assert not bool(side[r, k:].any())
+        got = side[r, :k]
+        assert torch.equal(got, one) or torch.equal(got, ~one)
+
+
+def test_level_batches_give_the_partition_of_one_region_at_a_time():
+    # bucket=1: every region its own eigensolve; bucket=64: regions padded together
+    w = torch.cat([planted_affinity(4, 5, 0.05, noise=0.02, seed=4),
+                   planted_affinity(5, 4, 0.08, noise=0.02, seed=5)])
+    a = cuts.recursive_ncut(w, 0.3, bucket=1)
+    b = cuts.recursive_ncut(w, 0.3, bucket=64)
+    assert a.counts.tolist() == b.counts.tolist() == [4, 5]
+    assert torch.equal(a.labels, b.labels)

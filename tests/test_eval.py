@@ -22,12 +22,16 @@ import torch
 from hydra import compose, initialize_config_module
 from PIL import Image
 from segment.eval.metrics import BinaryState, binary_states, total
-from segment.eval.runner import (
-    EXIT_BAD_INPUT,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
+from segment.eval.runner import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, run_eval
+from segment.eval.scoring import method_maps, region_labels, score_regions
+from segment.eval.specs import (
+    ConfigError,
+    MethodSpec,
+    instantiate_method,
+    method_key,
+    module_source,
     resolve_methods,
-    run_eval,
+    union_capture,
 )
 
 from segment.core.masks import MethodOutput, to_masks
@@ -92,14 +96,14 @@ class CountingBackbone:
 @pytest.fixture
 def counting(monkeypatch):
     made: list[CountingBackbone] = []
-    real = runner._instantiate_model
+    real = runner.instantiate_model
 
     def build(cfg, device):
         b = CountingBackbone(real(cfg, device))
         made.append(b)
         return b
 
-    monkeypatch.setattr(runner, "_instantiate_model", build)
+    monkeypatch.setattr(runner, "instantiate_model", build)
     return made
 
 
@@ -134,7 +138,7 @@ def test_every_experiment_composes_and_resolves_methods(name):
     labels = [s.label for s in specs]
     assert len(set(labels)) == len(labels)
     for s in specs:
-        runner.instantiate_method(s)
+        instantiate_method(s)
 
 
 def test_resolve_methods_forms():
@@ -143,7 +147,7 @@ def test_resolve_methods_forms():
     assert [s.label for s in specs] == [
         "cls_attention", "rollout", "bounce", "bounce3", "tokenrank(heads=lambda2)"
     ]
-    methods = [runner.instantiate_method(s) for s in specs]
+    methods = [instantiate_method(s) for s in specs]
     assert methods[3].steps == 3 and methods[3].name == "bounce3"
     assert methods[4].heads == "lambda2"
     # the default method repeated in the list is one row; include_default=false drops it
@@ -157,21 +161,21 @@ def test_resolve_methods_forms():
     cfg = cfg_for(*TINY, "+method@methods.two=bounce", "methods.two.steps=2", "+methods.four={config:bounce,steps:4}")
     specs = resolve_methods(cfg)
     assert [s.label for s in specs] == ["cls_attention", "two", "four"]
-    assert runner.instantiate_method(specs[2]).steps == 4
-    with pytest.raises(runner.ConfigError, match="no_such_method"):
+    assert instantiate_method(specs[2]).steps == 4
+    with pytest.raises(ConfigError, match="no_such_method"):
         resolve_methods(cfg_for(*TINY, "methods=[no_such_method]"))
     # a typo: one line with the closest name and the choices (no Hydra search-path dump)
-    with pytest.raises(runner.ConfigError) as e:
+    with pytest.raises(ConfigError) as e:
         resolve_methods(cfg_for(*TINY, "methods=[regionz]"))
     assert "did you mean 'regions'?" in str(e.value) and "\n" not in str(e.value)
     # a knob the method config does not have, in either form: named, with the closest one
-    with pytest.raises(runner.ConfigError, match=r"methods \(x\): method config 'regions' has"
+    with pytest.raises(ConfigError, match=r"methods \(x\): method config 'regions' has"
                        r" no setting 'label_taw' \(did you mean 'label_tau'\?\)"):
         resolve_methods(cfg_for(*TINY, "methods=[{config:regions,name:x,label_taw:0.1}]"))
-    with pytest.raises(runner.ConfigError, match=r"methods.four: method config 'bounce' has no"
+    with pytest.raises(ConfigError, match=r"methods.four: method config 'bounce' has no"
                        r" setting 'stepz' \(did you mean 'steps'\?\)"):
         resolve_methods(cfg_for(*TINY, "+methods.four={config:bounce,stepz:4}"))
-    with pytest.raises(runner.ConfigError, match="labelled 'bounce'"):
+    with pytest.raises(ConfigError, match="labelled 'bounce'"):
         resolve_methods(cfg_for(*TINY, "methods=[bounce,{config:bounce,name:bounce,steps:5}]"))
 
 
@@ -186,7 +190,7 @@ def _reference_rows(folder: Path, cfg, labels: list[str], backbone, batch: int =
     specs = {s.label: s for s in resolve_methods(cfg)}
     out = {}
     for label in labels:
-        m = runner.instantiate_method(specs[label])
+        m = instantiate_method(specs[label])
         states = []
         for start in range(0, len(ds), batch):
             items = [ds[i] for i in range(start, min(start + batch, len(ds)))]
@@ -206,8 +210,8 @@ def test_end_to_end_one_pass_per_batch(folder, tmp_path, counting, capsys):
     (bb,) = counting
     assert bb.batches == [2, 2, 1]  # the backbone ran once per batch for all four methods
     specs = resolve_methods(cfg)
-    methods = [runner.instantiate_method(s) for s in specs]
-    assert bb.captures[0] == runner.union_capture(methods, bb.num_layers)
+    methods = [instantiate_method(s) for s in specs]
+    assert bb.captures[0] == union_capture(methods, bb.num_layers)
     assert bb.captures[0].heads == "keep" and bb.captures[0].layers == tuple(range(bb.num_layers))
 
     rows = read_rows(out)
@@ -249,7 +253,7 @@ def test_resume_after_interrupt_and_new_methods(folder, tmp_path, counting):
     fresh = read_rows(fresh_out)
 
     # interrupted during the second batch: the first batch's images are in the cache
-    runner_build = runner._instantiate_model
+    runner_build = runner.instantiate_model
 
     def failing(cfg, device):
         b = runner_build(cfg, device)
@@ -257,7 +261,7 @@ def test_resume_after_interrupt_and_new_methods(folder, tmp_path, counting):
         return b
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runner, "_instantiate_model", failing)
+        mp.setattr(runner, "instantiate_model", failing)
         assert run_eval(cfg_for(*base, "methods=[rollout]")) == EXIT_INTERRUPTED
     assert not (out / "results.json").exists()
     cached = list((out / "cache").glob("*/*.json"))
@@ -282,7 +286,7 @@ def test_resume_after_interrupt_and_new_methods(folder, tmp_path, counting):
     assert run_eval(cfg_for(*base, "methods=[rollout,bounce]")) == EXIT_OK
     (bb,) = counting
     assert bb.batches == [2, 2, 1]
-    bounce = runner.instantiate_method(resolve_methods(cfg_for(*base, "methods=[bounce]"))[1])
+    bounce = instantiate_method(resolve_methods(cfg_for(*base, "methods=[bounce]"))[1])
     assert bb.captures[0] == bounce.capture(bb.num_layers)
     rows = read_rows(out)
     assert [r["method"] for r in rows] == ["cls_attention", "rollout", "bounce"]
@@ -324,19 +328,19 @@ def test_metric_cache_is_keyed_by_version_and_code(folder, tmp_path, monkeypatch
 
     # a change to the source of the module a method lives in rescored it
     _poison_cache(out)
-    real = runner._module_source
+    real = module_source
     edited = lambda name: real(name) + (b"# edited" if name == "segment.methods.attention" else b"")  # noqa: E731
-    monkeypatch.setattr(runner, "_module_source", edited)
+    monkeypatch.setattr("segment.eval.specs.module_source", edited)
     caplog.clear()
     assert run_eval(cfg) == EXIT_OK
     assert read_rows(out) == fresh
     assert "reused 0 of 6" in caplog.text
-    rollout = runner.MethodSpec("rollout", resolve_methods(cfg)[1].cfg)
-    rollout.method = runner.instantiate_method(rollout)
-    before = runner.method_key(rollout)
-    monkeypatch.setattr(runner, "_module_source", real)
-    assert runner.method_key(rollout) != before
-    assert runner.method_key(rollout).startswith(rollout.key + "-")  # config hash + code hash
+    rollout = MethodSpec("rollout", resolve_methods(cfg)[1].cfg)
+    rollout.method = instantiate_method(rollout)
+    before = method_key(rollout)
+    monkeypatch.setattr("segment.eval.specs.module_source", real)
+    assert method_key(rollout) != before
+    assert method_key(rollout).startswith(rollout.key + "-")  # config hash + code hash
 
 
 def test_limit_and_errors(folder, tmp_path, capsys):
@@ -408,8 +412,8 @@ def test_bootstrap_knob(folder, tmp_path, capsys):
 def test_mask_at_image_and_grid():
     heat = torch.tensor([[[0.0, 1.0], [0.6, 0.7]]])  # mean 0.575 on the grid
     out = MethodOutput(heatmap=heat)
-    ((r_img, m_img),) = runner._method_maps(out, [(4, 4)], "image")
-    ((r_grid, m_grid),) = runner._method_maps(out, [(4, 4)], "grid")
+    ((r_img, m_img),) = method_maps(out, [(4, 4)], "image")
+    ((r_grid, m_grid),) = method_maps(out, [(4, 4)], "grid")
     torch.testing.assert_close(r_img, r_grid)  # R (for AP) is the bilinear one either way
     r, m = to_masks(out, (4, 4))
     assert torch.equal(m_img, m[0])
@@ -469,7 +473,7 @@ def test_unknown_class_falls_back_per_image_and_is_counted(tmp_path, counting, m
     # without a default class the image cannot be prompted: a clear error, not a silent guess
     assert runner.batch_prompts(["dog", None], "object", ["a", "b"]) == ["dog", "object"]
     assert runner.batch_prompts([None, None], "object", ["a", "b"]) is None
-    with pytest.raises(runner.ConfigError, match="b: no class name"):
+    with pytest.raises(ConfigError, match="b: no class name"):
         runner.batch_prompts(["dog", None], None, ["a", "b"])
 
 
@@ -592,7 +596,7 @@ def test_label_folder_tables_and_panels(tmp_path, quantile_methods, counting, ca
     assert md[2].endswith(f"| 3 | {lo:.2f}-{hi:.2f} |")
     panel = np.asarray(Image.open(out / "panels" / "s0.png").convert("RGB"))
     assert panel.shape[1] == 3 * (40 + 4)  # image | labels | ground truth
-    from segment.eval.runner import class_palette
+    from segment.eval.panels import class_palette
 
     colours = {tuple(c) for c in panel.reshape(-1, 3).tolist()}
     assert all(tuple(c) in colours for c in class_palette(3).tolist())  # class colours (and the key)
@@ -707,7 +711,7 @@ def test_ecssd_dev_cls_attention_matches_reference(ecssd_dev, dinov2_weights, tm
 def test_panel_has_column_headers(tmp_path):
     """A header band names the columns (image | heatmap | mask | ground truth) above the
     first method row: text over each of the four columns, then the method label band."""
-    from segment.eval.runner import write_panel
+    from segment.eval.panels import write_panel
 
     h, w, pad = 40, 64, 4
     target = np.zeros((h, w), bool)
@@ -835,7 +839,7 @@ def test_bsds_end_to_end_region_metrics_and_orientation(tmp_path, quantile_metho
     assert [r["method"] for r in rows] == ["quant", "km"]
     ds = BSDS500(root)
     assert ds.names() == ["val/a", "val/b", "val/c", "val/d"]
-    for r, m in zip(rows, [QuantileRegions(), runner.instantiate_method(resolve_methods(cfg)[1])]):
+    for r, m in zip(rows, [QuantileRegions(), instantiate_method(resolve_methods(cfg)[1])]):
         states = []
         for i in range(4):
             s = ds[i]
@@ -911,8 +915,8 @@ def test_bsds_scores_the_labels_segment_writes():
     out = MethodOutput(heatmap=torch.rand(2, 4, 6, generator=g), labels=labels,
                        foreground=torch.tensor([[True, False, True, False, True]] * 2))
     gts = [torch.randint(1, 4, (3, 21, 31), generator=g), torch.randint(1, 3, (2, 31, 21), generator=g)]
-    states = runner.score_regions(out, gts, "x")
+    states = score_regions(out, gts, "x")
     for i, t in enumerate(gts):
         written = postprocess(out, i, tuple(t.shape[-2:])).labels
-        assert np.array_equal(runner.region_labels(out, i, tuple(t.shape[-2:])).numpy(), written)
+        assert np.array_equal(region_labels(out, i, tuple(t.shape[-2:])).numpy(), written)
         assert states[i] == region_state(written, t.numpy())

@@ -135,7 +135,7 @@ def test_segment_eval_setup_errors_exit_2_in_one_line_and_leave_nothing(tmp_path
     cwd.mkdir()
     common = [*TINY, f"dataset.root={data}", "dataset.size=[48,56]", "model.image_size=56", f"output={cwd / 'ev'}"]
     line = _one_line_error(run("segment-eval", *common, "method.layers=[20]", cwd=cwd), "layer 20")
-    assert line.startswith("segment-eval: method 'regions' cannot run on this model: layer 20 out of range"), line
+    assert line.startswith("segment-eval: method 'cuts' cannot run on this model: layer 20 out of range"), line
     if not torch.cuda.is_available():
         line = _one_line_error(run("segment-eval", *[a for a in common if a != "device=cpu"], "device=cuda",
                                    cwd=cwd), "CUDA")

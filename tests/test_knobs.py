@@ -35,7 +35,7 @@ import torch
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 from PIL import Image
-from segment.eval.runner import _compose_method
+from segment.eval.specs import compose_method
 
 from segment.core.record import Capture
 
@@ -152,7 +152,7 @@ def _attempt(cls: type, values: dict[str, Any], bb: Backbones, kind: str) -> Out
 
 def method_knobs(name: str) -> tuple[type, dict[str, Any], list[str]]:
     """The method class, every knob's value (config over dataclass default), the knobs."""
-    node = OmegaConf.to_container(_compose_method(name), resolve=True)
+    node = OmegaConf.to_container(compose_method(name), resolve=True)
     cls = get_class(node.pop("_target_"))
     values: dict[str, Any] = {}
     if dataclasses.is_dataclass(cls):

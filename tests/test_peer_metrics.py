@@ -210,7 +210,7 @@ def test_segment_eval_folder_reports_peer_metrics_at_original_resolution(tmp_pat
     at their own size (> 127) with the maps `segment` writes at that size (its
     postprocess: heatmap methods R > mean(R), region methods smooth-upsampled labels)."""
     from segment.datasets.folder import FolderPairs
-    from segment.eval.runner import instantiate_method, resolve_methods
+    from segment.eval.specs import instantiate_method, resolve_methods
 
     from segment.run.outputs import postprocess
 

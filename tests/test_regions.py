@@ -398,11 +398,11 @@ def test_default_recipe_beats_cls_attention_on_ecssd_dev(dinov2_weights, ecssd_d
     from hydra.utils import instantiate
     from PIL import Image
     from segment.eval.metrics import BinaryState, total
-    from segment.eval.runner import score_binary
+    from segment.eval.scoring import score_binary
     from segment.models.vit import TimmViT
 
     with initialize_config_module(version_base="1.3", config_module="segment.configs"):
-        cfg = compose("segment")
+        cfg = compose("segment", overrides=["method=regions"])
     method = instantiate(cfg.method)
     assert isinstance(method, RegionGrow), "the default method is the seed-and-grow recipe"
     model = TimmViT(name="dinov2_vits14", arch="vit_small_patch14_dinov2.lvd142m", pretrained=False,
@@ -632,7 +632,7 @@ def test_default_recipe_on_planted_chains():
     from segment.eval.metrics import pooled_average_precision
 
     with initialize_config_module(version_base="1.3", config_module="segment.configs"):
-        cfg = compose("segment")
+        cfg = compose("segment", overrides=["method=regions"])
     method = instantiate(cfg.method)
     assert (method.tau, method.label_tau, method.score, method.heat) == (0.2, 0.03, "keychain", "blend")
     rec = planted_record_with_keys()
@@ -828,7 +828,7 @@ def test_fine_regions_of_an_image_do_not_depend_on_its_batch(dinov2_weights):
     from segment.models.vit import TimmViT
 
     with initialize_config_module(version_base="1.3", config_module="segment.configs"):
-        method = instantiate(compose("segment").method)
+        method = instantiate(compose("segment", overrides=["method=regions"]).method)
     model = TimmViT(name="dinov2_vits14", arch="vit_small_patch14_dinov2.lvd142m", pretrained=False,
                     checkpoint=str(dinov2_weights), image_size=224, device="cpu")
     cap = method.capture(model.num_layers)

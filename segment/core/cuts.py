@@ -36,6 +36,7 @@ from segment.core import markov
 __all__ = [
     "Partition",
     "best_cut",
+    "best_cuts",
     "escape_probabilities",
     "key_affinity",
     "recursive_ncut",
@@ -110,45 +111,67 @@ def escape_probabilities(affinity: Tensor, labels: Tensor, num: int | None = Non
     return ((vol - stay) / vol).to(torch.float32)
 
 
-def best_cut(affinity: Tensor) -> tuple[float, Tensor]:
-    """The best two-way normalized cut of one chain along its second eigenvector.
+def best_cuts(affinity: Tensor, size: Tensor) -> tuple[Tensor, Tensor]:
+    """The best two-way normalized cut of each of a batch of chains along its second eigenvector.
 
     The relaxed NCut is solved by the second eigenvector of ``P = D^-1 W``, i.e.
     ``D^-1/2 u`` with ``u`` the second largest eigenvector of the symmetric
-    ``D^-1/2 W D^-1/2`` (``torch.linalg.eigh`` in float32: it only orders the tokens); the
-    split is the threshold of that vector (a *sweep*: every prefix of the sorted tokens)
-    with the smallest exact NCut.
+    ``D^-1/2 W D^-1/2`` (one batched ``torch.linalg.eigh`` in float32: the vector only
+    orders the tokens); the split is the threshold of that vector (a *sweep*: every prefix
+    of the sorted tokens) with the smallest exact NCut (float64).
+
+    Chains of different sizes share the batch padded: chain ``r`` occupies the leading
+    ``size[r]`` rows and columns of ``affinity[r]`` (the rest is ignored). A padded token is
+    decoupled from the chain with eigenvalue ``-2`` in the symmetric matrix, below every
+    eigenvalue of a chain (``[-1, 1]``), so it never enters the two largest eigenvectors,
+    and it sorts after every real token in the sweep.
 
     Args:
-        affinity: ``(m, m)`` symmetric, non-negative, every row sum > 0, ``m >= 2``.
+        affinity: ``(R, m, m)`` symmetric, non-negative, every real row sum > 0.
+        size: ``(R,)`` the number of real tokens of each chain, ``2 <= size[r] <= m``.
 
     Returns:
-        ``(ncut, side)``: the NCut of the best split (``esc(A) + esc(B)``, in ``[0, 2]``)
-        and ``(m,)`` bool, the tokens of one side.
+        ``(ncut, side)``: ``(R,)`` float64 NCut of each best split (``esc(A) + esc(B)``, in
+        ``[0, 2]``) and ``(R, m)`` bool, the tokens of one side (``False`` on padding).
     """
+    r, m, _ = affinity.shape
+    dev = affinity.device
+    size = size.to(dev)
+    if bool((size < 2).any()) or bool((size > m).any()):
+        raise ValueError("a cut needs at least 2 tokens")
+    real = torch.arange(m, device=dev)[None, :] < size[:, None]  # (R, m)
+    both = real[:, :, None] & real[:, None, :]
+    w = torch.where(both, affinity.to(torch.float64), 0.0)
+    d = w.sum(-1)
+    s = torch.where(real, d.clamp_min(1e-300).rsqrt(), 0.0)
+    sym = (s[:, :, None] * w * s[:, None, :]).to(torch.float32)
+    sym.diagonal(dim1=1, dim2=2).masked_fill_(~real, -2.0)  # padding: eigenvalue -2
+    _, vecs = torch.linalg.eigh(sym)  # ascending: the last is sqrt(d) / |sqrt(d)|
+    v = torch.where(real, vecs[..., -2].to(torch.float64) * s, float("inf"))
+    order = torch.argsort(v, dim=1)  # padding last
+    rows = torch.arange(r, device=dev)[:, None, None]
+    wp = w[rows, order[:, :, None], order[:, None, :]]
+    inside = wp.cumsum(1).cumsum(2).diagonal(dim1=1, dim2=2)  # W(S_k, S_k) of the prefixes
+    vol = d.gather(1, order).cumsum(1)
+    total = vol[:, -1:]
+    cut = vol - inside
+    ncut = cut / vol.clamp_min(1e-300) + cut / (total - vol).clamp_min(1e-300)
+    # the whole set (and any prefix reaching into the padding) is no split
+    ncut = ncut.masked_fill(torch.arange(m, device=dev)[None, :] >= (size[:, None] - 1),
+                            float("inf"))
+    j = ncut.argmin(1)
+    side = torch.zeros(r, m, dtype=torch.bool, device=dev)
+    side.scatter_(1, order, torch.arange(m, device=dev)[None, :] <= j[:, None])
+    return ncut.gather(1, j[:, None])[:, 0], side
+
+
+def best_cut(affinity: Tensor) -> tuple[float, Tensor]:
+    """:func:`best_cuts` of one ``(m, m)`` chain: ``(ncut, (m,) bool side)``."""
     m = affinity.shape[0]
     if m < 2:
         raise ValueError("a cut needs at least 2 tokens")
-    w = affinity.to(torch.float64)
-    d = w.sum(1)
-    s = d.rsqrt()
-    # the eigenvector only orders the tokens (the cut itself is scored exactly in float64
-    # below): float32 is enough for it and is the fast path of every device
-    sym = (s[:, None] * w * s[None, :]).to(torch.float32)
-    _, vecs = torch.linalg.eigh(sym)  # ascending: the last is sqrt(d) / |sqrt(d)|
-    v = vecs[:, -2].to(torch.float64) * s
-    order = torch.argsort(v)
-    wp = w[order][:, order]
-    inside = wp.cumsum(0).cumsum(1).diagonal()  # W(S_k, S_k) for the prefixes S_k
-    vol = d[order].cumsum(0)
-    total = vol[-1]
-    cut = vol - inside
-    ncut = cut / vol + cut / (total - vol).clamp_min(1e-300)
-    ncut[-1] = float("inf")  # the whole set is no split
-    j = int(torch.argmin(ncut))
-    side = torch.zeros(m, dtype=torch.bool, device=affinity.device)
-    side[order[: j + 1]] = True
-    return float(ncut[j]), side
+    ncut, side = best_cuts(affinity[None], torch.tensor([m], device=affinity.device))
+    return float(ncut[0]), side[0]
 
 
 @dataclass
@@ -166,23 +189,28 @@ class Partition:
     escape: list[Tensor]
 
 
-def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None = None
-                   ) -> Partition:
+def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None = None,
+                   bucket: int = 64) -> Partition:
     """Cut each image's chain in two while the best cut is crossed with probability < ``tau``.
 
-    A region ``R`` is split into the two sides of :func:`best_cut` of its own chain (``W``
+    A region ``R`` is split into the two sides of :func:`best_cuts` of its own chain (``W``
     restricted to ``R``: the walk conditioned to stay in it) when their NCut, the sum of
-    the two escape probabilities, is below ``tau``; the halves are split in turn, largest
-    first. A region of one token, or whose best cut is crossed too often, stays whole.
+    the two escape probabilities, is below ``tau``; the halves are split in turn. A region
+    of one token, or whose best cut is crossed too often, stays whole. Whether a region is
+    cut depends on that region alone, so the regions are cut level by level: every open
+    region of every image at once, in batched eigensolves (regions of similar size padded
+    to a common size, a multiple of ``bucket``), one host sync per level.
 
     Args:
         affinity: ``(B, n, n)`` symmetric non-negative ``W`` with positive row sums.
         tau: in ``(0, 2]``.
-        max_regions: stop splitting at this many regions (``None``: no limit).
+        max_regions: per image, stop splitting at this many regions, the largest regions
+            cut first (``None``: no limit).
+        bucket: the size granularity of the padded batches (compute, not results).
 
     Returns:
-        :class:`Partition` (labels on ``affinity.device``; regions numbered in the order
-        they were completed, then by size).
+        :class:`Partition` (labels on ``affinity.device``; regions numbered in the reading
+        order of their first token).
     """
     if affinity.dim() != 3 or affinity.shape[-1] != affinity.shape[-2]:
         raise ValueError(f"affinity must be (B, n, n), got {tuple(affinity.shape)}")
@@ -191,34 +219,52 @@ def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None =
     if bool((affinity < 0).any()):
         raise ValueError("affinity must be non-negative")
     b, n, _ = affinity.shape
-    labels = torch.zeros(b, n, dtype=torch.long, device=affinity.device)
+    dev = affinity.device
+    done: list[list[Tensor]] = [[] for _ in range(b)]
+    todo: list[tuple[int, Tensor]] = [(i, torch.arange(n, device=dev)) for i in range(b)]
+    while todo:
+        # one level: the open regions that can be cut, largest first (max_regions keeps them)
+        todo.sort(key=lambda t: -len(t[1]))
+        count = [len(d) for d in done]
+        for i, _ in todo:
+            count[i] += 1
+        cand = []
+        for i, idx in todo:
+            if idx.numel() < 2 or (max_regions is not None and count[i] >= int(max_regions)):
+                done[i].append(idx)
+                continue
+            sub = affinity[i][idx][:, idx]
+            if bool((sub.sum(1) <= 0).any()):  # a token isolated inside: no spectral cut
+                done[i].append(idx)
+                continue
+            count[i] += 1  # tentatively cut: the budget of the next regions
+            cand.append((i, idx))
+        todo = []
+        groups: dict[int, list[tuple[int, Tensor]]] = {}
+        for i, idx in cand:
+            groups.setdefault(-(-len(idx) // bucket), []).append((i, idx))
+        for group in groups.values():
+            m = max(len(idx) for _, idx in group)
+            pad = torch.zeros(len(group), m, m, dtype=affinity.dtype, device=dev)
+            for g, (i, idx) in enumerate(group):
+                pad[g, : len(idx), : len(idx)] = affinity[i][idx][:, idx]
+            sizes = torch.tensor([len(idx) for _, idx in group], device=dev)
+            ncut, side = best_cuts(pad, sizes)
+            keep = (ncut < float(tau)).tolist()  # the level's host sync
+            side = side.cpu() if dev.type != "cpu" else side
+            for g, (i, idx) in enumerate(group):
+                if keep[g]:
+                    one = side[g, : len(idx)].to(dev)
+                    todo += [(i, idx[one]), (i, idx[~one])]
+                else:
+                    done[i].append(idx)
+    labels = torch.zeros(b, n, dtype=torch.long, device=dev)
     counts = []
     for i in range(b):
-        w = affinity[i]
-        done: list[Tensor] = []
-        todo = [torch.arange(n, device=w.device)]
-        while todo:
-            if max_regions is not None and len(done) + len(todo) >= int(max_regions):
-                done += todo
-                break
-            todo.sort(key=len)
-            idx = todo.pop()  # the largest open region first
-            if idx.numel() < 2:
-                done.append(idx)
-                continue
-            sub = w[idx][:, idx]
-            if bool((sub.sum(1) <= 0).any()):  # a token isolated inside: no spectral cut
-                done.append(idx)
-                continue
-            ncut, side = best_cut(sub)
-            if ncut < float(tau):
-                todo += [idx[side], idx[~side]]
-            else:
-                done.append(idx)
-        done.sort(key=lambda t: int(t.min()))  # ids in reading order of the first token
-        for r, idx in enumerate(done):
+        regions = sorted(done[i], key=lambda t: int(t.min()))  # reading order of the first token
+        for r, idx in enumerate(regions):
             labels[i, idx] = r
-        counts.append(len(done))
+        counts.append(len(regions))
     counts_t = torch.tensor(counts, dtype=torch.long)
     esc = escape_probabilities(affinity, labels, int(counts_t.max()))
     return Partition(labels=labels, counts=counts_t,

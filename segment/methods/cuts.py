@@ -46,8 +46,8 @@ class EscapeCuts(RegionGrow):
     """
 
     name: str = "cuts"
-    escape: float = 0.3
-    cut_chain: str = "keys"
+    escape: float = 0.5
+    cut_chain: str = "attention"
     cut_temperature: float = 0.2
 
     def __post_init__(self) -> None:

@@ -65,7 +65,7 @@ API_KEYS = ("batch_size", "max_pixels", "label_upsampling")
 
 def compose_config(
     model: str = "dinov2_vits14",
-    method: str = "regions",
+    method: str = "cuts",
     checkpoint: str | os.PathLike | None = None,
     device: str = "auto",
     **overrides: Any,
@@ -474,7 +474,7 @@ class Segmenter:
 
 def load(
     model: str = "dinov2_vits14",
-    method: str = "regions",
+    method: str = "cuts",
     checkpoint: str | os.PathLike | None = None,
     device: str = "auto",
     **overrides: Any,
