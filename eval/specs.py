@@ -101,27 +101,17 @@ def method_key(spec: MethodSpec) -> str:
 
 
 def compose_method(name: str) -> DictConfig:
-    """The ``configs/method/<name>.yaml`` option, composed by Hydra (defaults lists work)."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import MissingConfigException
+    """The ``configs/method/<name>.yaml`` option, composed by :func:`segment.run.front.compose`
+    (the one composition of every command and the API: Hydra's compose API, defaults lists work)."""
+    from segment.run.front import compose, config_names, suggest
 
-    def go() -> DictConfig:
-        try:
-            return compose(config_name=None, overrides=[f"+method={name}"]).method
-        except MissingConfigException:
-            from segment.run.front import config_names, suggest
-
-            names = config_names("method")
-            raise ConfigError(
-                f"methods: no method config named {name!r} in configs/method"
-                f"{suggest(name, names)}; choose one of: {', '.join(names)}"
-            ) from None
-
-    if GlobalHydra.instance().is_initialized():
-        return go()
-    with initialize_config_module("segment.configs", version_base="1.3"):
-        return go()
+    names = config_names("method")
+    if name not in names:
+        raise ConfigError(
+            f"methods: no method config named {name!r} in configs/method"
+            f"{suggest(name, names)}; choose one of: {', '.join(names)}"
+        )
+    return compose("segment-eval", [f"method={name}"]).method
 
 
 def _with_knobs(config: str, knobs: dict[str, Any], where: str) -> DictConfig:

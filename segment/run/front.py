@@ -311,8 +311,9 @@ def compose(command: str, args: Sequence[str] = ()) -> DictConfig:
     """The config of ``command`` for the ``KEY=VALUE`` arguments ``args``: the one way in.
 
     ``segment``, ``segment-eval`` and ``segment-diagnose`` (:func:`run_command`, before
-    Hydra's job) and the Python API (:func:`segment.run.api.compose_config`) compose here
-    (the evaluator's ``methods=[NAME]`` entries compose one method option each), by Hydra's compose API
+    Hydra's job), the Python API (:func:`segment.run.api.compose_config`) and the
+    evaluator's ``methods=[NAME]`` entries (:func:`segment.eval.specs.compose_method`) all
+    compose here, by Hydra's compose API
     (:func:`hydra_compose`) from ``configs/<name>.yaml`` (:data:`CONFIG_NAMES`), and the
     arguments are checked on the composition once: the group options first
     (:func:`check_groups`), then every key and value against the config those options
