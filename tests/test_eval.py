@@ -656,7 +656,7 @@ def test_torchrun_two_ranks_equal_one(folder, tmp_path):
     logs = r2.stdout + r2.stderr  # Hydra's job logging writes to stdout
     assert "rank 0/2: 3 images" in logs and "rank 1/2: 2 images" in logs  # strided shards
     a, b = read_rows(one), read_rows(two)
-    assert [r["method"] for r in a] == [r["method"] for r in b] == ["regions", "rollout", "bounce"]
+    assert [r["method"] for r in a] == [r["method"] for r in b] == ["cuts", "rollout", "bounce"]
     for x, y in zip(a, b):
         assert x["images"] == y["images"] == 5
         for k in ("pixAcc", "mIoU", "mIoU_CA", "mAP"):
