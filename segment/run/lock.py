@@ -21,6 +21,7 @@ import json
 import os
 import socket
 import sys
+import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -110,6 +111,16 @@ def _read(fd: int) -> Holder | None:
         return None
 
 
+def _read_held(fd: int, wait_s: float = 1.0) -> Holder | None:
+    """The holder of a lock file another process has flocked: it writes itself into the
+    file right after taking the flock, so a file read empty (or half written) in between
+    is read again for up to ``wait_s`` seconds."""
+    deadline = time.monotonic() + wait_s
+    while (h := _read(fd)) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return h
+
+
 _NO_FLOCK = (errno.ENOLCK, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)
 
 
@@ -186,7 +197,7 @@ class OutputLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 flocked = True
             except BlockingIOError:
-                raise _busy(self.folder, _read(fd)) from None
+                raise _busy(self.folder, _read_held(fd)) from None
             except OSError as e:
                 if e.errno not in _NO_FLOCK:
                     raise
