@@ -238,23 +238,22 @@ def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None =
                 done[i].append(idx)
                 continue
             count[i] += 1  # tentatively cut: the budget of the next regions
-            cand.append((i, idx))
+            cand.append((i, idx, sub))
         todo = []
-        groups: dict[int, list[tuple[int, Tensor]]] = {}
-        for i, idx in cand:
-            groups.setdefault(-(-len(idx) // bucket), []).append((i, idx))
+        groups: dict[int, list[tuple[int, Tensor, Tensor]]] = {}
+        for c in cand:
+            groups.setdefault(-(-len(c[1]) // bucket), []).append(c)
         for group in groups.values():
-            m = max(len(idx) for _, idx in group)
+            m = max(len(idx) for _, idx, _ in group)
             pad = torch.zeros(len(group), m, m, dtype=affinity.dtype, device=dev)
-            for g, (i, idx) in enumerate(group):
-                pad[g, : len(idx), : len(idx)] = affinity[i][idx][:, idx]
-            sizes = torch.tensor([len(idx) for _, idx in group], device=dev)
+            for g, (_, idx, sub) in enumerate(group):
+                pad[g, : len(idx), : len(idx)] = sub
+            sizes = torch.tensor([len(idx) for _, idx, _ in group], device=dev)
             ncut, side = best_cuts(pad, sizes)
             keep = (ncut < float(tau)).tolist()  # the level's host sync
-            side = side.cpu() if dev.type != "cpu" else side
-            for g, (i, idx) in enumerate(group):
+            for g, (i, idx, _) in enumerate(group):
                 if keep[g]:
-                    one = side[g, : len(idx)].to(dev)
+                    one = side[g, : len(idx)]
                     todo += [(i, idx[one]), (i, idx[~one])]
                 else:
                     done[i].append(idx)
