@@ -54,6 +54,11 @@ def manifest(root: Path, paths: tuple[Path, ...] = ()) -> dict[str, str]:
         rel = p.relative_to(root)
         if not p.is_file() or SKIP_PARTS & set(rel.parts):
             continue
+        key = rel.as_posix()
+        if rel.parts[0] == "cache" and len(rel.parts) == 3:
+            # the cache folder is named by the fingerprint, which hashes the data set's and
+            # the checkpoint's paths: the same outputs live under another name in another clone
+            key = f"cache/FINGERPRINT/{rel.parts[2]}"
         data = p.read_bytes()
         if p.suffix == ".json":
             data = json.dumps(_clean(json.loads(data)), sort_keys=True).encode()
@@ -63,7 +68,7 @@ def manifest(root: Path, paths: tuple[Path, ...] = ()) -> dict[str, str]:
                 for form in (os.path.relpath(q, p.parent), str(q)):
                     text = text.replace(form, "INPUT")
             data = text.encode()
-        out[rel.as_posix()] = hashlib.sha256(data).hexdigest()
+        out[key] = hashlib.sha256(data).hexdigest()
     return out
 
 
