@@ -49,6 +49,7 @@ class EscapeCuts(RegionGrow):
     escape: float = 0.5
     cut_chain: str = "attention"
     cut_temperature: float = 0.2
+    mask: str = "regions"
 
     def __post_init__(self) -> None:
         if self.label_tau is not None:
@@ -103,6 +104,14 @@ class EscapeCuts(RegionGrow):
         from segment.core import cuts
         from segment.core import regions as rg
 
+        if self.mask == "cuts":
+            part = cuts.recursive_ncut(self.cut_affinity(record), float(self.escape))
+            h, w = record.layout.grid
+            grid_prob = F.one_hot(part.labels, int(part.counts.max())).to(torch.float32)
+            grid_prob = grid_prob.transpose(1, 2).reshape(part.labels.shape[0], -1, h, w)
+            heat, labels, fg = self._decide(record, grid_prob)
+            return MethodOutput(heatmap=heat, labels=labels, foreground=fg,
+                                escape=[e.to(labels.device) for e in part.escape])
         out = super().__call__(record)  # mask and heatmap of the tau merge
         mask = torch.gather(out.foreground, 1, out.labels.flatten(1)).view_as(out.labels)
         h, w = record.layout.grid

@@ -247,7 +247,6 @@ class RegionGrow(Method):
     # the stage -----------------------------------------------------------------------------
 
     def __call__(self, record: AttentionRecord) -> MethodOutput:
-        from segment import backends
         from segment.core import regions as rg
 
         layout = record.layout
@@ -269,6 +268,20 @@ class RegionGrow(Method):
         kl = rg.symmetric_kl(dist, dist)  # the first round of both merges (tau, label_tau)
         props = rg.merge_proposals(dist, float(self.tau), int(self.iterations), kl=kl)
         grid_prob = rg.soft_assign(props).view(b, -1, h, w)  # (B, K, h, w)
+        heat, labels, foreground = self._decide(record, grid_prob)
+        if self.label_tau is not None and float(self.label_tau) < float(self.tau):
+            labels, foreground = self._finer_regions(dist, kl, labels, foreground, (h, w))
+        return MethodOutput(heatmap=heat, labels=labels, foreground=foreground)
+
+    def _decide(self, record: AttentionRecord, grid_prob: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Steps 4-5: a soft assignment ``(B, K, h, w)`` of the grid tokens to ``K`` regions
+        -> ``(heat, labels, foreground)`` at the backbone input: refined by the pixel
+        chain, argmax, connected components, each region foreground when the region of
+        the assignment most of its pixels took scores above the image's mean score."""
+        from segment import backends
+        from segment.core import regions as rg
+
+        b = grid_prob.shape[0]
         kp = grid_prob.shape[1]
         cls = self.score_map(record)  # (B, h, w) foreground score on the grid
         size = tuple(record.image_size)
@@ -320,9 +333,7 @@ class RegionGrow(Method):
             two = torch.zeros_like(foreground)
             two[:, 1] = True
             foreground = torch.where(flat.view(b, 1), two, foreground)
-        if self.label_tau is not None and float(self.label_tau) < float(self.tau):
-            labels, foreground = self._finer_regions(dist, kl, labels, foreground, (h, w))
-        return MethodOutput(heatmap=heat, labels=labels, foreground=foreground)
+        return heat, labels, foreground
 
     def pixel_knobs(self) -> tuple[str, ...]:
         """``refine_steps`` when the pixel chain runs (``>= 1``): it walks the input image."""
