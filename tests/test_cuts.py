@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from segment.core import cuts, markov
 
@@ -165,49 +166,79 @@ def _planted():
     return rec, up, same_partition
 
 
-def test_escape_cuts_find_the_planted_blocks_and_keep_the_mask_of_tau():
+def test_escape_cuts_find_the_planted_blocks_and_decide_the_foreground_on_them():
+    """The three planted blocks of the attention chain are the regions; block 1 (where the
+    CLS attention goes, spread over the block by the key chain) is the one foreground
+    region, so the mask is exactly the union of the foreground regions."""
     from segment.core.masks import to_masks
-    from segment.methods import EscapeCuts, RegionGrow
-
-    rec, up, same = _planted()
-    kw = dict(layers=[0], score_layers=[0], refine_steps=0, score="keychain")
-    out = EscapeCuts(escape=0.3, **kw)(rec)
-    assert same(out.labels[0], up)
-    ref = RegionGrow(**kw)(rec)  # the mask and the heatmap are those of regions
-    assert torch.equal(to_masks(out, (32, 32))[1], to_masks(ref, (32, 32))[1])
-    assert torch.equal(out.heatmap, ref.heatmap)
-    assert len(out.escape) == 1 and len(out.escape[0]) == 3  # the three blocks' escape
-    assert all(0 <= float(e) < 0.3 for e in out.escape[0])
-    # a threshold no cut clears: one region, then cut along the mask
-    one = EscapeCuts(escape=1e-4, **kw)(rec)
-    assert same(one.labels[0], to_masks(ref, (32, 32))[1][0].long())
-
-
-def test_escape_cuts_on_the_reversible_attention_chain():
     from segment.methods import EscapeCuts
 
     rec, up, same = _planted()
-    out = EscapeCuts(escape=0.3, cut_chain="attention", layers=[0], score_layers=[0],
-                     refine_steps=0, chain="attention")(rec)
+    method = EscapeCuts(escape=0.3, layers=[0], refine_steps=0)
+    out = method(rec)
     assert same(out.labels[0], up)
+    assert len(out.escape) == 1 and len(out.escape[0]) == 3  # the three blocks' escape
+    assert all(0 <= float(e) < 0.3 for e in out.escape[0])
+    mask = to_masks(out, (32, 32))[1][0]
+    assert torch.equal(mask, up == 1)
+    fg = out.foreground[0][out.labels[0]]
+    assert torch.equal(fg, mask)  # the mask is the union of the foreground regions
+    # the heatmap ranks the mask first: every foreground pixel above every background one
+    assert float(out.heatmap[0][mask].min()) > float(out.heatmap[0][~mask].max())
+
+
+def test_escape_cuts_without_a_cut_fall_back_to_the_score_split():
+    """A threshold no cut clears leaves one region, with no foreground/background split:
+    labels and mask are then the protocol's pixel rule on the score map."""
+    from segment.core.masks import to_masks
+    from segment.methods import EscapeCuts
+
+    rec, up, same = _planted()
+    method = EscapeCuts(escape=1e-4, layers=[0], refine_steps=0)
+    out = method(rec)
+    assert [len(e) for e in out.escape] == [1]
+    score = F.interpolate(method._stage.score_map(rec).unsqueeze(1), size=(32, 32),
+                          mode="bilinear", align_corners=False)[0, 0]
+    assert torch.equal(to_masks(out, (32, 32))[1][0], score > score.mean())
+    assert same(out.labels[0], (score > score.mean()).long())
+
+
+def test_escape_cuts_average_the_reversible_chains_of_several_layers():
+    """layers=[0, 1]: the cut chain is the mean of the two layers' W (float64 reference)."""
+    from segment.core import markov
+    from segment.methods import EscapeCuts
+    from segment.methods.base import mean_patch_chain
+
+    rec, _, _ = _planted()
+    rec.attn[1] = rec.attn[0].flip(-1).softmax(-1)
+    rec.keys[1] = rec.keys[0]
+    rec.num_layers = 2
+    m = EscapeCuts(layers=[0, 1], refine_steps=0)
+    got = m.cut_affinity(rec).double()
+    want = []
+    for i in (0, 1):
+        p = mean_patch_chain(rec.attn[i].double(), rec.layout)
+        pi = markov.exact_stationary(p)
+        want.append((pi[..., None] * p + (pi[..., None] * p).transpose(-1, -2)) / 2)
+    assert torch.allclose(got, (want[0] + want[1]) / 2, atol=1e-6)
 
 
 def test_escape_cuts_refuse_bad_settings():
     from segment.methods import EscapeCuts
 
-    with pytest.raises(ValueError, match="label_tau is not a knob of cuts"):
-        EscapeCuts(label_tau=0.03)
     with pytest.raises(ValueError, match="escape must lie in"):
         EscapeCuts(escape=0)
-    with pytest.raises(ValueError, match="cut_chain must be one of"):
-        EscapeCuts(cut_chain="pixels")
-    with pytest.raises(ValueError, match="cut_temperature"):
-        EscapeCuts(cut_chain="attention", cut_temperature=0.1)  # acts only with keys
+    with pytest.raises(ValueError, match="average_layers is not a knob of cuts"):
+        EscapeCuts(layers=[-2, -1], average_layers=True)
+    with pytest.raises(ValueError, match="refine_scale"):
+        EscapeCuts(refine_scale=0.3)  # the 8-px window would be 2.4 px
+    for gone in ("tau", "label_tau", "seeds", "cut_chain", "score", "heat", "connectivity"):
+        with pytest.raises(TypeError):  # removed, not hidden (docs/methods.md)
+            EscapeCuts(**{gone: None})
     rec, _, _ = _planted()
     rec.keys = {}
     with pytest.raises(ValueError, match="needs the keys of layer 0"):
-        EscapeCuts(cut_chain="keys", layers=[0], score_layers=[0], refine_steps=0, chain="attention",
-                   score="cls")(rec)
+        EscapeCuts(layers=[0], refine_steps=0)(rec)
 
 
 def test_cuts_end_to_end_write_the_escape_of_every_region(tmp_path):
