@@ -268,6 +268,14 @@ def test_cuts_end_to_end_write_the_escape_of_every_region(tmp_path):
     assert run_segment(cfg) == 0
     rec = json.loads((out / "records" / "x.json").read_text())
     assert rec["escape"] and all(0.0 <= e <= 1.0 for e in rec["escape"])
+    # run.json: per image, the regions of its label map and the escape of each cut region
+    [img] = json.loads((out / "run.json").read_text())["images"]
+    assert img["status"] == "done" and img["escape"] == rec["escape"]
+    assert img["regions"] == rec["num_regions"] >= 1
+    assert run_segment(cfg) == 0  # resumed: the same, read back from the record
+    [img] = json.loads((out / "run.json").read_text())["images"]
+    assert img["status"] == "resumed" and img["escape"] == rec["escape"]
+    assert img["regions"] == rec["num_regions"]
     res = segment.load("vit_tiny_random", "cuts", device="cpu", image_size=[56, 84],
                        checkpoint=str(ckpt))(Image.open(src / "x.png"))
     assert res.escape == rec["escape"]
@@ -278,10 +286,10 @@ def test_cuts_end_to_end_write_the_escape_of_every_region(tmp_path):
 
 
 @pytest.mark.shared
-def test_cuts_keep_the_mask_and_heatmap_of_regions_on_real_attention(dinov2_weights):
-    """On the real DINOv2 and a bundled photo: the same mask and heatmap as the default
-    regions recipe (so every mask table of `regions` holds for `cuts`), and a handful of
-    regions, each with its escape probability on the whole chain."""
+def test_cuts_on_real_attention_a_handful_of_regions_whose_union_is_the_mask(dinov2_weights):
+    """On the real DINOv2 and a bundled photo (the cat): a handful of regions, each with its
+    escape probability on the whole chain; the mask is the union of the foreground regions
+    and finds the cat as seed and grow does (its mask, decided on other regions)."""
     from pathlib import Path
 
     from PIL import Image
@@ -293,16 +301,18 @@ def test_cuts_keep_the_mask_and_heatmap_of_regions_on_real_attention(dinov2_weig
     img = Image.open(photo).convert("RGB")
     seg = segment.load("dinov2_vits14", "cuts", checkpoint=str(dinov2_weights), device="cpu")
     rec = seg.extract(seg.preprocess(img)[None])
-    cuts_out = seg.method(rec)
+    out = seg.method(rec)
+    size = tuple(rec.image_size)
+    mask = to_masks(out, size)[1][0]
+    assert torch.equal(mask, out.foreground[0][out.labels[0]])
     regions = segment.load("dinov2_vits14", "regions", checkpoint=str(dinov2_weights),
                            device="cpu").method
-    ref = regions(rec)
-    size = tuple(rec.image_size)
-    assert torch.equal(to_masks(cuts_out, size)[1], to_masks(ref, size)[1])
-    assert torch.equal(cuts_out.heatmap, ref.heatmap)
-    k = len(cuts_out.escape[0])
+    ref = to_masks(regions(rec), size)[1][0]
+    iou = float((mask & ref).sum() / (mask | ref).sum())
+    assert iou > 0.85, iou
+    k = len(out.escape[0])
     assert 2 <= k <= 30
-    assert all(0.0 <= float(e) < 1.0 for e in cuts_out.escape[0])
+    assert all(0.0 <= float(e) < 1.0 for e in out.escape[0])
 
 
 def test_padded_batched_cuts_equal_each_chain_cut_alone():

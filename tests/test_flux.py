@@ -667,6 +667,16 @@ def test_a_knob_that_needs_pixels_is_refused_on_flux_by_name(backbone, tmp_path,
         RegionGrow(refine_steps=0).capture(backbone.num_layers)
     with pytest.raises(ValueError, match="refine_steps=3 reads the input image, which model flux_tiny"):
         segment.load(model="flux_tiny", method="regions", device="cpu")
+    # the default method refines its regions with the same pixel chain: refused the same way
+    from segment.methods import EscapeCuts
+
+    with pytest.raises(ValueError, match=r"^cuts: refine_steps=3 reads the input image, which model"
+                                         r" flux_tiny does not provide"):
+        check_method(EscapeCuts(), backbone)
+    with pytest.raises(ValueError, match="refine_steps=3 reads the input image, which model flux_tiny"):
+        segment.load(model="flux_tiny", device="cpu")
+    assert check_method(EscapeCuts(refine_steps=0), backbone) == \
+        EscapeCuts(refine_steps=0).capture(backbone.num_layers)
 
     common = ["model=flux_tiny", "method=regions", "device=cpu", "progress=false",
               "render.fsync=false", "num_workers=1"]

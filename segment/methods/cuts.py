@@ -90,7 +90,7 @@ class EscapeCuts(Method):
             if i not in record.attn:
                 raise ValueError(f"{self.name}: layer {i} was not captured ({record.layers})")
             self._check_heads(record, i, record.attn[i])
-            ws.append(cuts.reversibilise(self._stage._attention_chain(record.attn[i],
+            ws.append(cuts.reversibilise(self._stage.attention_chain(record.attn[i],
                                                                       record.layout)))
         return ws[0] if len(ws) == 1 else torch.stack(ws).mean(0)
 
@@ -102,6 +102,6 @@ class EscapeCuts(Method):
         h, w = record.layout.grid
         grid_prob = F.one_hot(part.labels, int(part.counts.max())).to(torch.float32)
         grid_prob = grid_prob.transpose(1, 2).reshape(b, -1, h, w)  # (B, K, h, w)
-        heat, labels, foreground = self._stage._decide(record, grid_prob)
+        heat, labels, foreground = self._stage.decide(record, grid_prob)
         return MethodOutput(heatmap=heat, labels=labels, foreground=foreground,
                             escape=[e.to(labels.device) for e in part.escape])

@@ -189,7 +189,7 @@ class RegionGrow(Method):
 
     # the chain over grid tokens ----------------------------------------------------------
 
-    def _attention_chain(self, attn: Tensor, layout: TokenLayout) -> Tensor:
+    def attention_chain(self, attn: Tensor, layout: TokenLayout) -> Tensor:
         if self.heads == "mean" and attn.shape[1] > 1:
             return mean_patch_chain(attn, layout)
         chain = patch_chain(as_compute(attn), layout)  # (B, H, n, n)
@@ -227,7 +227,7 @@ class RegionGrow(Method):
                 if i not in record.attn:
                     raise ValueError(f"{self.name}: layer {i} was not captured ({record.layers})")
                 self._check_heads(record, i, record.attn[i])
-                pa = self._attention_chain(record.attn[i], layout)
+                pa = self.attention_chain(record.attn[i], layout)
             if self.chain in ("keys", "mix"):
                 if i not in record.keys:
                     raise ValueError(
@@ -268,12 +268,12 @@ class RegionGrow(Method):
         kl = rg.symmetric_kl(dist, dist)  # the first round of both merges (tau, label_tau)
         props = rg.merge_proposals(dist, float(self.tau), int(self.iterations), kl=kl)
         grid_prob = rg.soft_assign(props).view(b, -1, h, w)  # (B, K, h, w)
-        heat, labels, foreground = self._decide(record, grid_prob)
+        heat, labels, foreground = self.decide(record, grid_prob)
         if self.label_tau is not None and float(self.label_tau) < float(self.tau):
             labels, foreground = self._finer_regions(dist, kl, labels, foreground, (h, w))
         return MethodOutput(heatmap=heat, labels=labels, foreground=foreground)
 
-    def _decide(self, record: AttentionRecord, grid_prob: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def decide(self, record: AttentionRecord, grid_prob: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Steps 4-5: a soft assignment ``(B, K, h, w)`` of the grid tokens to ``K`` regions
         -> ``(heat, labels, foreground)`` at the backbone input: refined by the pixel
         chain, argmax, connected components, each region foreground when the region of

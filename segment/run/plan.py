@@ -84,7 +84,7 @@ def plan_items(files: list[ImageFile], settings: RunSettings, state: RunState) -
             rec = current_record(settings, f, st.st_size, st.st_mtime_ns)
             if rec is not None:
                 state.records[f.name] = rec
-                state.statuses[f.name] = ImageStatus(f.name, f.rel, "resumed")
+                state.statuses[f.name] = ImageStatus.finished(rec, "resumed")
                 continue
         was = bad.get(f.rel)
         if was is not None and (was.get("source_bytes"), was.get("source_mtime_ns")) == (st.st_size, st.st_mtime_ns):

@@ -275,8 +275,8 @@ class StageRunner:
         else:
             state.records[item.file.name] = rec
             state.timings.write_s += rec.seconds
-            state.statuses[item.file.name] = ImageStatus(item.file.name, item.file.rel, "done",
-                                                         seconds=round(item.read_s + rec.seconds, 4))
+            state.statuses[item.file.name] = ImageStatus.finished(
+                rec, "done", seconds=round(item.read_s + rec.seconds, 4))
         self.bar.update(1)
 
     def _stop(self) -> None:
