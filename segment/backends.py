@@ -11,11 +11,6 @@ equality against the other (``tests/test_regions.py``, ``tests/test_clusters.py`
   union-find, batched in torch, specks absorbed by max-pool growth:
   :func:`segment.core.regions.absorb_small`; the CUDA default). Both number the components
   alike: by label value, then first pixel in raster order.
-- **the second eigenvector of a normalized chain** (:func:`second_eigenvectors_lapack`):
-  LAPACK's ``syevx`` through SciPy, one matrix at its own size, only the one eigenvector
-  asked for; on the CPU faster than the batched full ``torch.linalg.eigh`` of
-  :func:`segment.core.cuts.second_eigenvectors` (the CUDA default)
-  (``python -m segment.eval.bench cuts`` prints both; ``tests/test_cuts.py``).
 - **k-means** (:func:`kmeans_labels`): scikit-learn's ``KMeans``, on the CPU in float64.
 - **the thread pool** (:func:`map_images`): the images of a batch side by side on torch's
   intra-op thread count (one pool per process and thread count: none crosses a fork).
@@ -43,7 +38,6 @@ __all__ = [
     "connected_regions",
     "kmeans_labels",
     "map_images",
-    "second_eigenvectors_lapack",
 ]
 
 ComponentsBackend = Literal["skimage", "kornia"]
@@ -142,21 +136,6 @@ def argmax_regions(maps: Tensor, counts: Sequence[int], size: tuple[int, int],
                                                                          int(min_area))
 
     return torch.from_numpy(np.stack(map_images(one, maps.shape[0])))
-
-
-def second_eigenvectors_lapack(sym: Tensor, size: Tensor) -> Tensor:
-    """:func:`segment.core.cuts.second_eigenvectors` by SciPy's ``eigh`` (LAPACK ``syevx``),
-    each matrix at its own size (no padding) and only the eigenvector of the second largest
-    eigenvalue computed; the result on ``sym``'s device."""
-    import scipy.linalg
-
-    a = sym.detach().to("cpu", torch.float32).numpy()
-    out = np.zeros(a.shape[:2], dtype=np.float32)
-    for r, m in enumerate(size.tolist()):
-        _, v = scipy.linalg.eigh(a[r, :m, :m], subset_by_index=[m - 2, m - 2], driver="evx",
-                                 check_finite=False)
-        out[r, :m] = v[:, 0]
-    return torch.from_numpy(out).to(sym.device)
 
 
 def kmeans_labels(

@@ -343,29 +343,3 @@ def test_level_batches_give_the_partition_of_one_region_at_a_time():
     b = cuts.recursive_ncut(w, 0.3, bucket=64)
     assert a.counts.tolist() == b.counts.tolist() == [4, 5]
     assert torch.equal(a.labels, b.labels)
-
-
-def test_lapack_second_eigenvector_cuts_as_the_batched_torch_eigh():
-    """segment.backends.second_eigenvectors_lapack (SciPy evx, one vector, each matrix at its
-    own size) gives the cuts of the batched, padded torch.linalg.eigh: the same partitions of
-    padded batches of noisy planted chains, and the same NCut."""
-    from segment import backends
-
-    ws = [planted_affinity(k, m, eps, noise=0.05, seed=s)[0]
-          for s, (k, m, eps) in enumerate([(2, 5, 0.1), (3, 4, 0.2), (2, 9, 0.05), (4, 7, 0.15)])]
-    m = max(w.shape[0] for w in ws)
-    pad = torch.zeros(len(ws), m, m, dtype=torch.float64)
-    for r, w in enumerate(ws):
-        pad[r, : w.shape[0], : w.shape[0]] = w
-    size = torch.tensor([w.shape[0] for w in ws])
-    a_cut, a_side = cuts.best_cuts(pad, size)
-    b_cut, b_side = cuts.best_cuts(pad, size, backends.second_eigenvectors_lapack)
-    assert torch.allclose(a_cut, b_cut, atol=1e-9)
-    for r, w in enumerate(ws):
-        n = w.shape[0]
-        assert same_partition(a_side[r, :n], b_side[r, :n])
-        assert not bool(b_side[r, n:].any())
-    w = torch.cat([planted_affinity(3, 6, 0.05, noise=0.02, seed=s) for s in range(3)])
-    a = cuts.recursive_ncut(w, 0.3)
-    b = cuts.recursive_ncut(w, 0.3, eigvec=backends.second_eigenvectors_lapack)
-    assert torch.equal(a.labels, b.labels) and a.counts.tolist() == b.counts.tolist() == [3, 3, 3]

@@ -4,7 +4,6 @@ same run; never timed tests).
     python -m segment.eval.bench markov    [--sizes 257 1024 4096] [--device cpu|cuda] [--weights PATH]
     python -m segment.eval.bench markov --accuracy [--images-224 10] [--images-448 2] [--root DIR]
     python -m segment.eval.bench regions   [--sizes 224 448] [--batch 4] [--repeat 5] [--weights PATH] [method overrides]
-    python -m segment.eval.bench cuts      [--sizes 224 448] [--repeat 5] [--weights PATH]
     python -m segment.eval.bench pipeline  ...   (segment.eval.bench.pipeline)
     python -m segment.eval.bench flux      ...   (segment.eval.bench.flux)
     python -m segment.eval.bench eval      ...   (segment.eval.bench.evaluator)
@@ -20,10 +19,6 @@ float64 ``eigvals`` over every head of every layer of several ecssd-dev images (
 ``regions``: the seed-and-grow stage per image against the backbone forward of the same
 batch, in ``--repeat`` interleaved rounds (medians; the ratio is the median of the rounds'
 ratios).
-``cuts``: the recursive normalized cuts of the default ``cuts`` chain on the three bundled
-examples, with each eigensolver (the batched ``torch.linalg.eigh``; on the CPU also SciPy's
-``evx`` of :func:`segment.backends.second_eigenvectors_lapack`), ms per image and the ratio
-to torch in ``--repeat`` interleaved rounds, and whether the partitions are the same.
 ``diagnose``: ``segment-diagnose``'s work per image (attention capture of every layer and
 head, then every measure of :mod:`segment.core.diagnostics`) against the bare forward of
 the same image, with the dense spectra, the exact TokenRank and the stable rank timed alone.

@@ -25,7 +25,6 @@ Pure functions over tensors (torch and numpy only).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +41,6 @@ __all__ = [
     "key_affinity",
     "recursive_ncut",
     "reversibilise",
-    "second_eigenvectors",
 ]
 
 
@@ -113,28 +111,7 @@ def escape_probabilities(affinity: Tensor, labels: Tensor, num: int | None = Non
     return ((vol - stay) / vol).to(torch.float32)
 
 
-def second_eigenvectors(sym: Tensor, size: Tensor) -> Tensor:
-    """The eigenvector of the second largest eigenvalue of each of a batch of padded
-    symmetric matrices: one batched ``torch.linalg.eigh`` (any device).
-
-    Args:
-        sym: ``(R, m, m)`` symmetric; matrix ``r`` is its leading ``size[r]`` block, and each
-            padded token is decoupled with eigenvalue ``-2``, below every eigenvalue of a
-            normalized chain (``[-1, 1]``), so it never enters the two largest.
-        size: ``(R,)``.
-
-    Returns:
-        ``(R, m)`` (unit norm, any sign; the padded entries are 0).
-    """
-    del size  # the padding is decoupled below the spectrum
-    return torch.linalg.eigh(sym)[1][..., -2]
-
-
-EigenSolver = Callable[[Tensor, Tensor], Tensor]
-
-
-def best_cuts(affinity: Tensor, size: Tensor,
-              eigvec: EigenSolver | None = None) -> tuple[Tensor, Tensor]:
+def best_cuts(affinity: Tensor, size: Tensor) -> tuple[Tensor, Tensor]:
     """The best two-way normalized cut of each of a batch of chains along its second eigenvector.
 
     The relaxed NCut is solved by the second eigenvector of ``P = D^-1 W``, i.e.
@@ -152,9 +129,6 @@ def best_cuts(affinity: Tensor, size: Tensor,
     Args:
         affinity: ``(R, m, m)`` symmetric, non-negative, every real row sum > 0.
         size: ``(R,)`` the number of real tokens of each chain, ``2 <= size[r] <= m``.
-        eigvec: ``(sym, size) -> (R, m)`` the second eigenvectors of the padded symmetric
-            matrices (:func:`second_eigenvectors`, the default;
-            :func:`segment.backends.second_eigenvectors_lapack` on the CPU).
 
     Returns:
         ``(ncut, side)``: ``(R,)`` float64 NCut of each best split (``esc(A) + esc(B)``, in
@@ -172,8 +146,8 @@ def best_cuts(affinity: Tensor, size: Tensor,
     s = torch.where(real, d.clamp_min(1e-300).rsqrt(), 0.0)
     sym = (s[:, :, None] * w * s[:, None, :]).to(torch.float32)
     sym.diagonal(dim1=1, dim2=2).masked_fill_(~real, -2.0)  # padding: eigenvalue -2
-    u = (eigvec or second_eigenvectors)(sym, size)  # the largest is sqrt(d) / |sqrt(d)|
-    v = torch.where(real, u.to(torch.float64) * s, float("inf"))
+    _, vecs = torch.linalg.eigh(sym)  # ascending: the last is sqrt(d) / |sqrt(d)|
+    v = torch.where(real, vecs[..., -2].to(torch.float64) * s, float("inf"))
     order = torch.argsort(v, dim=1)  # padding last
     rows = torch.arange(r, device=dev)[:, None, None]
     wp = w[rows, order[:, :, None], order[:, None, :]]
@@ -216,7 +190,7 @@ class Partition:
 
 
 def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None = None,
-                   bucket: int = 64, eigvec: EigenSolver | None = None) -> Partition:
+                   bucket: int = 64) -> Partition:
     """Cut each image's chain in two while the best cut is crossed with probability < ``tau``.
 
     A region ``R`` is split into the two sides of :func:`best_cuts` of its own chain (``W``
@@ -233,7 +207,6 @@ def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None =
         max_regions: per image, stop splitting at this many regions, the largest regions
             cut first (``None``: no limit).
         bucket: the size granularity of the padded batches (compute, not results).
-        eigvec: the eigensolver of :func:`best_cuts`.
 
     Returns:
         :class:`Partition` (labels on ``affinity.device``; regions numbered in the reading
@@ -276,7 +249,7 @@ def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None =
             for g, (_, idx, sub) in enumerate(group):
                 pad[g, : len(idx), : len(idx)] = sub
             sizes = torch.tensor([len(idx) for _, idx, _ in group], device=dev)
-            ncut, side = best_cuts(pad, sizes, eigvec)
+            ncut, side = best_cuts(pad, sizes)
             keep = (ncut < float(tau)).tolist()  # the level's host sync
             for g, (i, idx, _) in enumerate(group):
                 if keep[g]:

@@ -95,14 +95,9 @@ class EscapeCuts(Method):
         return ws[0] if len(ws) == 1 else torch.stack(ws).mean(0)
 
     def __call__(self, record: AttentionRecord) -> MethodOutput:
-        from segment import backends
         from segment.core import cuts
 
-        w = self.cut_affinity(record)
-        # the eigensolver by device: SciPy's evx on the CPU (python -m segment.eval.bench
-        # cuts), the batched torch.linalg.eigh elsewhere
-        eigvec = backends.second_eigenvectors_lapack if w.device.type == "cpu" else None
-        part = cuts.recursive_ncut(w, float(self.escape), eigvec=eigvec)
+        part = cuts.recursive_ncut(self.cut_affinity(record), float(self.escape))
         b = part.labels.shape[0]
         h, w = record.layout.grid
         grid_prob = F.one_hot(part.labels, int(part.counts.max())).to(torch.float32)
