@@ -375,3 +375,22 @@ def test_the_knob_test_catches_a_dead_knob(backbones):
     alive, _ = _changes(Ignores, values, "heads", candidates(Ignores, values, "heads"),
                         backbones, "vit", base)
     assert alive
+
+
+def test_the_default_method_shows_at_most_eight_knobs_and_its_dataclass_is_the_recipe():
+    """Issue 46: the default method (``cuts``) shows at most 8 knobs, and its dataclass
+    defaults are the recipe: ``EscapeCuts()`` computes what ``method=cuts`` does."""
+    from segment.methods import EscapeCuts
+    from segment.run.front import compose
+
+    assert compose("segment", []).method._target_ == "segment.methods.EscapeCuts"
+    node = OmegaConf.to_container(compose_method("cuts"), resolve=True)
+    node.pop("_target_")
+    shown = [k for k in node if k != "name"]
+    assert len(shown) <= 8, shown
+    defaults = {f.name: f.default for f in dataclasses.fields(EscapeCuts)}
+    for knob, value in node.items():
+        want = list(defaults[knob]) if isinstance(defaults[knob], tuple) else defaults[knob]
+        assert value == want, knob
+    # every dataclass knob is shown, but average_layers (refused: the layers are averaged)
+    assert set(defaults) - set(node) == {"average_layers"}

@@ -222,6 +222,7 @@ def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None =
     dev = affinity.device
     done: list[list[Tensor]] = [[] for _ in range(b)]
     todo: list[tuple[int, Tensor]] = [(i, torch.arange(n, device=dev)) for i in range(b)]
+    self_loops = (affinity.diagonal(dim1=1, dim2=2) > 0).all(1).tolist()
     while todo:
         # one level: the open regions that can be cut, largest first (max_regions keeps them)
         todo.sort(key=lambda t: -len(t[1]))
@@ -233,25 +234,26 @@ def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None =
             if idx.numel() < 2 or (max_regions is not None and count[i] >= int(max_regions)):
                 done[i].append(idx)
                 continue
-            sub = affinity[i][idx][:, idx]
-            if bool((sub.sum(1) <= 0).any()):  # a token isolated inside: no spectral cut
+            # a token isolated inside the region: no spectral cut (with a positive diagonal,
+            # as an attention chain's, no token can be)
+            if not self_loops[i] and bool((affinity[i][idx[:, None], idx].sum(1) <= 0).any()):
                 done[i].append(idx)
                 continue
             count[i] += 1  # tentatively cut: the budget of the next regions
-            cand.append((i, idx, sub))
+            cand.append((i, idx))
         todo = []
-        groups: dict[int, list[tuple[int, Tensor, Tensor]]] = {}
+        groups: dict[int, list[tuple[int, Tensor]]] = {}
         for c in cand:
             groups.setdefault(-(-len(c[1]) // bucket), []).append(c)
         for group in groups.values():
-            m = max(len(idx) for _, idx, _ in group)
+            m = max(len(idx) for _, idx in group)
             pad = torch.zeros(len(group), m, m, dtype=affinity.dtype, device=dev)
-            for g, (_, idx, sub) in enumerate(group):
-                pad[g, : len(idx), : len(idx)] = sub
-            sizes = torch.tensor([len(idx) for _, idx, _ in group], device=dev)
+            for g, (i, idx) in enumerate(group):
+                pad[g, : len(idx), : len(idx)] = affinity[i][idx[:, None], idx]
+            sizes = torch.tensor([len(idx) for _, idx in group], device=dev)
             ncut, side = best_cuts(pad, sizes)
             keep = (ncut < float(tau)).tolist()  # the level's host sync
-            for g, (i, idx, _) in enumerate(group):
+            for g, (i, idx) in enumerate(group):
                 if keep[g]:
                     one = side[g, : len(idx)]
                     todo += [(i, idx[one]), (i, idx[~one])]
