@@ -59,7 +59,7 @@ def test_overrides_are_routed_and_checked():
     with pytest.raises(ValueError, match=r"did you mean 'checkpoint'"):
         compose_config("vit_tiny_random", checkpont="x")
     with pytest.raises(ValueError, match=r"did you mean 'method.steps'"):
-        compose_config("vit_tiny_random", **{"method.stpes": 3})
+        compose_config("vit_tiny_random", "regions", **{"method.stpes": 3})
     with pytest.raises(ValueError, match=r"unknown model 'dinov2_vits41' \(did you mean 'dinov2_vits14'\?\)"):
         compose_config("dinov2_vits41")
     with pytest.raises(ValueError, match=r"unknown method 'regoins' \(did you mean 'regions'\?\)"):
@@ -78,7 +78,7 @@ def test_load_builds_what_the_overrides_say():
     # the method is built first: a setting it refuses is reported before any weights load
     # (here a checkpoint that does not exist would be the other error)
     with pytest.raises(ValueError, match="num_seeds=10 has no effect"):
-        segment.load("dinov2_vits14", device="cpu", checkpoint="/no/such/weights.safetensors",
+        segment.load("dinov2_vits14", "regions", device="cpu", checkpoint="/no/such/weights.safetensors",
                      num_seeds=10)
     # label_upsampling only moves region labels: refused for a heatmap method
     with pytest.raises(ValueError, match="label_upsampling=nearest has no effect with method"

@@ -88,11 +88,10 @@ def test_unknown_keys_exit_2_with_a_suggestion(tmp_path, cmd, arg, key, hint):
 
 
 _WRONG_TYPE = [  # either command
-    ("method.tau=oops", "expected a number (the default is 0.2)"),
+    ("method.escape=oops", "expected a number (the default is 0.5)"),
     ("batch_size=abc", "expected a number (the default is"),
     ("model.image_size=[33a,448]", "expected a number (the default is 224)"),
     ("method.refine_steps=2.5", "expected a whole number (the default is 3)"),
-    ("method.connectivity=maybe", "expected true or false (the default is True)"),
 ]
 
 
@@ -146,16 +145,16 @@ def test_segment_eval_setup_errors_exit_2_in_one_line_and_leave_nothing(tmp_path
 def test_the_python_api_checks_values_like_the_command():
     from segment.run.api import compose_config
 
-    for kw, why in [(dict(tau="oops"), "tau='oops': expected a number (the default is 0.2)"),
-                    (dict(connectivity="no"), "connectivity='no': expected true or false"),
+    for kw, why in [(dict(escape="oops"), "escape='oops': expected a number (the default is 0.5)"),
+                    (dict(method="regions", connectivity="no"), "connectivity='no': expected true or false"),
                     (dict(batch_size=0), "batch_size=0: expected a whole number >= 1 (the default is 8)"),
                     (dict(max_pixels=-5), "max_pixels=-5: expected a whole number >= 1 (the default is null)"),
                     (dict(layers="abc"), "layers='abc': expected a number or a list of numbers, e.g. [-1]")]:
         with pytest.raises(ValueError) as e:
             compose_config(**kw)
         assert str(e.value).startswith(why), (kw, str(e.value))
-    cfg = compose_config(layers=(-2,), image_size=[336, 448], max_pixels=None, **{"method.tau": 0.1})
-    assert list(cfg.method.layers) == [-2] and cfg.method.tau == 0.1
+    cfg = compose_config(layers=(-2,), image_size=[336, 448], max_pixels=None, **{"method.escape": 0.1})
+    assert list(cfg.method.layers) == [-2] and cfg.method.escape == 0.1
     assert compose_config(layers=-1).method.layers == -1  # one layer as a number, as before
 
 

@@ -487,7 +487,8 @@ class ImageRecord:
         mask_fraction: share of foreground pixels.
         num_regions: regions in the label map (multi-region methods), else ``None``.
         escape: the escape probability of every region of the method's token partition
-            (``method=cuts``: before the regions are refined and cut along the mask), else
+            (``method=cuts``: the escape cuts, before pixel refinement splits them into
+            connected pieces), else
             ``None``.
         source_mode: Pillow mode of the file.
         notes: non-fatal remarks from reading.
