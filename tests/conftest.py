@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# pytest-xdist runs N workers side by side: each (and every command a test starts, through
+# OMP_NUM_THREADS) gets its share of the cores, not all of them (N workers each using every
+# core made the eigen-solver tests 3x slower on 2 cores). A value the caller set is kept.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+_threads = max(1, (os.cpu_count() or 1) // _workers)
+os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def _shared() -> Path | None:

@@ -98,8 +98,24 @@ def test_segment_examples_byte_identical(tmp_path, dinov2_weights):
     _check("segment_examples", out, (EXAMPLES,))
 
 
-def test_segment_eval_ecssd_byte_identical(tmp_path, dinov2_weights, ecssd_dev):
+# ecssd-dev/REFERENCE.md: the protocol-fidelity rows (pixAcc, mIoU, mIoU_CA, mAP)
+ECSSD_REFERENCE = {
+    "cls_attention": {"pixAcc": 87.74, "mIoU": 72.64, "mIoU_CA": 78.15, "mAP": 89.89},
+    "rollout": {"pixAcc": 77.66, "mIoU": 57.57, "mIoU_CA": 63.48, "mAP": 86.98},
+    "cls_keychain": {"pixAcc": 91.35, "mIoU": 80.36, "mIoU_CA": 84.08, "mAP": 95.74},  # strongest peer
+}
+
+
+def test_segment_eval_ecssd_byte_identical_and_reference_rows(tmp_path, dinov2_weights, ecssd_dev):
+    """``segment-eval`` on ecssd-dev: the default's row first, then REFERENCE.md's
+    protocol-fidelity rows from the same backbone pass; every output byte-identical to the
+    manifest, and the reference rows within 0.1 of REFERENCE.md."""
     out = tmp_path / "ev"
     _cli("segment-eval", "dataset=folder", f"dataset.root={ecssd_dev}", f"output={out}",
-         f"model.checkpoint={dinov2_weights}")
+         f"model.checkpoint={dinov2_weights}", "methods=[cls_attention,rollout,cls_keychain]")
+    rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())}
+    assert list(rows)[0] == "cuts" and all(r["images"] == 100 for r in rows.values())
+    for method, ref in ECSSD_REFERENCE.items():
+        for k, v in ref.items():
+            assert rows[method][k] == pytest.approx(v, abs=0.1), (method, k, rows[method][k], v)
     _check("eval_ecssd", out, (ecssd_dev,))
