@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 # bump when a change outside the hashed modules (see fingerprint, method_key) changes scores;
 # segment.eval.scoring (the evaluator's post-processing) is such a module: it is not in
 # _SCORING, as segment.eval.runner, where that code lived before, was not
-CACHE_VERSION = 6  # 6: multi-class states hold region counts and small-region pixels
+CACHE_VERSION = 7  # 7: region and multi-class states hold the regions' escape probabilities
+# 6: multi-class states hold region counts and small-region pixels
 # what turns a method's output into scores
 _SCORING = ("segment.core.record", "segment.core.reduce", "segment.core.masks", "segment.eval.metrics",
             "segment.models.base", "segment.datasets.base")

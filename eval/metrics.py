@@ -574,6 +574,8 @@ class MulticlassScores:
         regions: mean number of predicted segments per image.
         regions_median: median number of predicted segments per image.
         small_share: fraction of all pixels that lie in segments under 1% of their image.
+        escape_median: median escape probability of the predicted regions, pooled over the
+            images (``None`` for a method that does not report one: :func:`median_escape`).
     """
 
     ACC: float
@@ -583,14 +585,15 @@ class MulticlassScores:
     regions: float = 0.0
     regions_median: float = 0.0
     small_share: float = 0.0
+    escape_median: float | None = None
 
     def percent(self) -> dict[str, float | int]:
         """``pixAcc`` (= ``ACC``) and ``mIoU`` in percent, ``regions`` per image (mean),
         ``regions_median`` (median per image), ``small_px`` (percent of the pixels in regions
-        under 1% of their image), ``images``."""
+        under 1% of their image), ``escape_median``, ``images``."""
         return {"pixAcc": 100.0 * self.ACC, "mIoU": 100.0 * self.mIoU, "regions": self.regions,
                 "regions_median": self.regions_median, "small_px": 100.0 * self.small_share,
-                "images": self.images}
+                "escape_median": self.escape_median, "images": self.images}
 
 
 @dataclass
@@ -606,6 +609,8 @@ class MulticlassState:
             median).
         small_px: pixels in segments under 1% of their image (:func:`region_sizes`), summed.
         pixels: all pixels of the predictions, summed.
+        escapes: the escape probability of every predicted region of every image (empty
+            for a method that does not report them; concatenated by ``+``).
     """
 
     tp: list[int]
@@ -617,6 +622,7 @@ class MulticlassState:
     region_counts: list[int] = field(default_factory=list)
     small_px: int = 0
     pixels: int = 0
+    escapes: list[float] = field(default_factory=list)
 
     @classmethod
     def zero(cls, num_classes: int) -> MulticlassState:
@@ -637,6 +643,7 @@ class MulticlassState:
             region_counts=[*self.region_counts, *other.region_counts],
             small_px=self.small_px + other.small_px,
             pixels=self.pixels + other.pixels,
+            escapes=[*self.escapes, *other.escapes],
         )
 
     def scores(self) -> MulticlassScores:
@@ -653,6 +660,7 @@ class MulticlassState:
             regions=self.regions / self.images if self.images else 0.0,
             regions_median=median_count(self.region_counts),
             small_share=self.small_px / self.pixels if self.pixels else 0.0,
+            escape_median=median_escape(self.escapes),
         )
 
     def to_dict(self) -> dict:
@@ -660,6 +668,7 @@ class MulticlassState:
             "kind": "multiclass", "tp": list(self.tp), "fp": list(self.fp), "fn": list(self.fn),
             "labeled": self.labeled, "images": self.images, "regions": self.regions,
             "region_counts": list(self.region_counts), "small_px": self.small_px, "pixels": self.pixels,
+            "escapes": list(self.escapes),
         }
 
     @classmethod
@@ -670,7 +679,7 @@ class MulticlassState:
             tp=[int(x) for x in d["tp"]], fp=[int(x) for x in d["fp"]], fn=[int(x) for x in d["fn"]],
             labeled=int(d["labeled"]), images=int(d["images"]), regions=int(d["regions"]),
             region_counts=[int(x) for x in d["region_counts"]], small_px=int(d["small_px"]),
-            pixels=int(d["pixels"]),
+            pixels=int(d["pixels"]), escapes=[float(x) for x in d.get("escapes", [])],
         )
 
 
@@ -773,6 +782,12 @@ def median_count(counts: Sequence[int]) -> float:
     return float(np.median(np.asarray(counts, dtype=np.float64))) if len(counts) else 0.0
 
 
+def median_escape(escapes: Sequence[float]) -> float | None:
+    """The median of the regions' escape probabilities (``None`` without any: a method that
+    does not partition by escape, e.g. k-means)."""
+    return float(np.median(np.asarray(escapes, dtype=np.float64))) if len(escapes) else None
+
+
 def small_pixels(areas: np.ndarray, fraction: float = SMALL_REGION) -> int:
     """Pixels in regions whose area is under ``fraction`` of the image (``areas``: the pixel
     count of every region of one image)."""
@@ -856,6 +871,8 @@ class RegionScores:
         regions: mean number of predicted regions per image.
         regions_median: median number of predicted regions per image.
         small_share: fraction of all pixels in predicted regions under 1% of their image.
+        escape_median: median escape probability of the predicted regions, pooled over the
+            images (``None`` for a method that does not report one).
     """
 
     Covering: float
@@ -865,6 +882,7 @@ class RegionScores:
     regions: float = 0.0
     regions_median: float = 0.0
     small_share: float = 0.0
+    escape_median: float | None = None
 
     def percent(self) -> dict[str, float | int]:
         """The table's values: ``Covering``, ``PRI`` and ``VI`` as the field writes them
@@ -872,7 +890,8 @@ class RegionScores:
         in percent, ``images``."""
         return {"Covering": self.Covering, "PRI": self.PRI, "VI": self.VI,
                 "regions_median": self.regions_median, "regions": self.regions,
-                "small_px": 100.0 * self.small_share, "images": self.images}
+                "small_px": 100.0 * self.small_share, "escape_median": self.escape_median,
+                "images": self.images}
 
 
 @dataclass
@@ -888,6 +907,8 @@ class RegionState:
         region_counts: predicted regions of every image (concatenated by ``+``).
         small_px: pixels in predicted regions under 1% of their image, summed.
         pixels: pixels of the predictions, summed.
+        escapes: the escape probability of every predicted region of every image (empty
+            for a method that does not report them; concatenated by ``+``).
     """
 
     covering_num: float = 0.0
@@ -898,6 +919,7 @@ class RegionState:
     region_counts: list[int] = field(default_factory=list)
     small_px: int = 0
     pixels: int = 0
+    escapes: list[float] = field(default_factory=list)
 
     def __add__(self, other: RegionState) -> RegionState:
         if not isinstance(other, RegionState):
@@ -911,6 +933,7 @@ class RegionState:
             region_counts=[*self.region_counts, *other.region_counts],
             small_px=self.small_px + other.small_px,
             pixels=self.pixels + other.pixels,
+            escapes=[*self.escapes, *other.escapes],
         )
 
     def scores(self) -> RegionScores:
@@ -923,6 +946,7 @@ class RegionState:
             regions=float(np.sum(self.region_counts)) / n if n else 0.0,
             regions_median=median_count(self.region_counts),
             small_share=self.small_px / self.pixels if self.pixels else 0.0,
+            escape_median=median_escape(self.escapes),
         )
 
     def to_dict(self) -> dict:
@@ -930,7 +954,7 @@ class RegionState:
             "kind": "regions", "covering_num": self.covering_num, "covering_den": self.covering_den,
             "pri_sum": self.pri_sum, "vi_sum": self.vi_sum, "images": self.images,
             "region_counts": list(self.region_counts), "small_px": self.small_px,
-            "pixels": self.pixels,
+            "pixels": self.pixels, "escapes": list(self.escapes),
         }
 
     @classmethod
@@ -941,7 +965,7 @@ class RegionState:
             covering_num=float(d["covering_num"]), covering_den=int(d["covering_den"]),
             pri_sum=float(d["pri_sum"]), vi_sum=float(d["vi_sum"]), images=int(d["images"]),
             region_counts=[int(x) for x in d["region_counts"]], small_px=int(d["small_px"]),
-            pixels=int(d["pixels"]),
+            pixels=int(d["pixels"]), escapes=[float(x) for x in d.get("escapes", [])],
         )
 
 

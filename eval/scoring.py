@@ -158,8 +158,16 @@ def score_multiclass(out: MethodOutput, targets: list[Tensor], num_classes: int,
     states = []
     for i, t in enumerate(targets):
         lab = labels_at(out.labels[i : i + 1], tuple(t.shape))[0].cpu()
-        states.append(hungarian_state(lab, t, num_classes))
+        st = hungarian_state(lab, t, num_classes)
+        st.escapes = _escapes(out, i)
+        states.append(st)
     return states
+
+
+def _escapes(out: MethodOutput, i: int) -> list[float]:
+    """Image ``i``'s region escape probabilities (``MethodOutput.escape``; ``[]`` for a method
+    that does not report them)."""
+    return [] if out.escape is None else [float(e) for e in out.escape[i].detach().cpu().reshape(-1)]
 
 
 def _need_labels(out: MethodOutput, label: str, what: str) -> None:
@@ -179,6 +187,12 @@ def region_labels(out: MethodOutput, i: int, size: tuple[int, int]) -> Tensor:
 def score_regions(out: MethodOutput, targets: list[Tensor], label: str) -> list[RegionState]:
     """Per image :func:`segment.eval.metrics.region_state` of the method's label map, at the
     size of the human segmentations (``targets[i]``: ``(K, H, W)``) as ``segment`` writes it
-    (:func:`region_labels`), against every one of them."""
+    (:func:`region_labels`), against every one of them; with the escape probabilities of the
+    method's regions where it reports them."""
     _need_labels(out, label, "sets of human segmentations")
-    return [region_state(region_labels(out, i, tuple(t.shape[-2:])).cpu(), t) for i, t in enumerate(targets)]
+    states = []
+    for i, t in enumerate(targets):
+        st = region_state(region_labels(out, i, tuple(t.shape[-2:])).cpu(), t)
+        st.escapes = _escapes(out, i)
+        states.append(st)
+    return states

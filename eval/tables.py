@@ -25,9 +25,10 @@ from segment.utils import atomic_write_json, atomic_write_text
 BINARY_COLUMNS = ("pixAcc", "mIoU", "mIoU_CA", "mAP", "fgIoU", "acc", "maxF", "maxF_img")
 # + per-class IoU; regions: mean per image, regions_median: median per image, small_px: percent
 # of the pixels in regions under 1% of their image
-MULTICLASS_COLUMNS = ("pixAcc", "mIoU", "regions", "regions_median", "small_px")
+# escape_median: the median escape probability of the method's regions (cuts; empty for others)
+MULTICLASS_COLUMNS = ("pixAcc", "mIoU", "regions", "regions_median", "small_px", "escape_median")
 # human segmentations (BSDS500): Covering and PRI as fractions, VI in bits (as the field writes them)
-REGION_COLUMNS = ("Covering", "PRI", "VI", "regions_median", "regions", "small_px")
+REGION_COLUMNS = ("Covering", "PRI", "VI", "regions_median", "regions", "small_px", "escape_median")
 COLUMNS = {"binary": BINARY_COLUMNS, "multiclass": MULTICLASS_COLUMNS, "regions": REGION_COLUMNS}
 # the scores that get bootstrap intervals (results.json: all; CSV: INTERVAL_CSV; Markdown:
 # INTERVAL_MD)
@@ -39,7 +40,7 @@ INTERVAL_MD = {"binary": ("mIoU",), "multiclass": ("mIoU",), "regions": ("Coveri
 # how the scores of a task are written: percent (x 100, 4 decimals in JSON, 2 in Markdown) or
 # as they are (fractions and bits: 6 decimals in JSON, 3 in Markdown)
 PERCENT = {"binary": True, "multiclass": True, "regions": False}
-_MD_FORMAT = {"Covering": ".3f", "PRI": ".3f", "VI": ".3f", "regions_median": ".1f"}
+_MD_FORMAT = {"Covering": ".3f", "PRI": ".3f", "VI": ".3f", "regions_median": ".1f", "escape_median": ".3f"}
 
 
 @dataclass
@@ -52,7 +53,9 @@ class Results:
     image) and ``iou`` (class name -> IoU in percent, ``None`` for a class never seen nor
     predicted), shown as one column per class in the CSV (``IoU_<name>``) and Markdown tables.
     Region rows (BSDS500) hold ``Covering``, ``PRI``, ``VI``, ``regions_median``, ``regions``
-    and ``small_px``.
+    and ``small_px``. Both hold ``escape_median``: the median escape probability of the
+    method's regions over all images (``cuts``; ``None``, shown empty, for methods that do not
+    cut by escape).
 
     With bootstrap intervals (:func:`add_intervals`) every row holds ``ci95`` (score ->
     ``[low, high]``) and every row after the first ``delta`` (``{"vs": first row, score:
@@ -95,7 +98,7 @@ class Results:
         lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         num = self._num
         for r in self.rows:
-            vals = [r["method"], *(f"{r[c]:{_MD_FORMAT.get(c, '.2f')}}" for c in self.columns),
+            vals = [r["method"], *("" if r.get(c) is None else f"{r[c]:{_MD_FORMAT.get(c, '.2f')}}" for c in self.columns),
                     *self._class_values(r), str(r["images"])]
             for s in scores:
                 lo, hi = r["ci95"][s]
@@ -116,7 +119,7 @@ class Results:
         for r in self.rows:
             iou = r.get("iou") or {}
             delta = r.get("delta") or {}
-            wr.writerow([r["method"], *(r[c] for c in self.columns),
+            wr.writerow([r["method"], *("" if r.get(c) is None else r[c] for c in self.columns),
                          *("" if iou.get(c) is None else iou[c] for c in self.class_names), r["images"],
                          *(v for s in scores for v in r["ci95"][s]),
                          *(v for s in deltas for v in delta.get(s, ("", "", "")))])

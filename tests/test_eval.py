@@ -559,7 +559,9 @@ def test_label_folder_tables_and_panels(tmp_path, quantile_methods, counting, ca
                   "include_default=false", "+methods.quant._target_=segment_test_methods.QuantileRegions", "panels=1")
     assert run_eval(cfg) == EXIT_OK
     (row,) = read_rows(out)
-    assert set(row) == {"method", "pixAcc", "mIoU", "regions", "regions_median", "small_px", "iou", "images", "ci95"}
+    assert set(row) == {"method", "pixAcc", "mIoU", "regions", "regions_median", "small_px", "escape_median",
+                        "iou", "images", "ci95"}
+    assert row["escape_median"] is None  # a method that does not cut by escape
     assert set(row["ci95"]) == {"pixAcc", "mIoU"} and row["ci95"]["mIoU"][0] <= row["ci95"]["mIoU"][1]
     assert list(row["iou"]) == ["road", "sky", "car"] and row["images"] == 3
     # the same from the metric on the method's own labels at the label resolution (30 x 40)
@@ -584,14 +586,14 @@ def test_label_folder_tables_and_panels(tmp_path, quantile_methods, counting, ca
     assert [row["iou"][c] for c in ("road", "sky", "car")] == pytest.approx([100 * x for x in sc.iou])
     lines = list(csv.reader((out / "results.csv").read_text().splitlines()))
     # one row: its interval, no difference columns
-    assert lines[0] == ["method", "pixAcc", "mIoU", "regions", "regions_median", "small_px", "IoU_road", "IoU_sky",
-                        "IoU_car", "images", "mIoU_ci95_low", "mIoU_ci95_high"]
-    assert float(lines[1][8]) == pytest.approx(row["iou"]["car"], abs=0.006)
-    assert [float(x) for x in lines[1][10:12]] == row["ci95"]["mIoU"]
+    assert lines[0] == ["method", "pixAcc", "mIoU", "regions", "regions_median", "small_px", "escape_median",
+                        "IoU_road", "IoU_sky", "IoU_car", "images", "mIoU_ci95_low", "mIoU_ci95_high"]
+    assert lines[1][6] == "" and float(lines[1][9]) == pytest.approx(row["iou"]["car"], abs=0.006)
+    assert [float(x) for x in lines[1][11:13]] == row["ci95"]["mIoU"]
     md = (out / "results.md").read_text().splitlines()
-    assert md[0] == ("| method | pixAcc | mIoU | regions | regions_median | small_px | road | sky | car | images"
-                     " | mIoU 95% CI |")
-    assert md[2].startswith(f"| quant | {row['pixAcc']:.2f} | {row['mIoU']:.2f} | 3.00 | 3.0 | {row['small_px']:.2f} |")
+    assert md[0] == ("| method | pixAcc | mIoU | regions | regions_median | small_px | escape_median | road | sky"
+                     " | car | images | mIoU 95% CI |")
+    assert md[2].startswith(f"| quant | {row['pixAcc']:.2f} | {row['mIoU']:.2f} | 3.00 | 3.0 | {row['small_px']:.2f} | - |")
     lo, hi = row["ci95"]["mIoU"]
     assert md[2].endswith(f"| 3 | {lo:.2f}-{hi:.2f} |")
     panel = np.asarray(Image.open(out / "panels" / "s0.png").convert("RGB"))
@@ -840,10 +842,11 @@ def test_bsds_end_to_end_region_metrics_and_orientation(tmp_path, quantile_metho
     assert d["vs"] == "quant" and d["Covering"][0] == pytest.approx(rows[1]["Covering"] - rows[0]["Covering"], abs=1e-6)
     assert d["Covering"][1] <= d["Covering"][0] <= d["Covering"][2]
     lines = list(csv.reader((out / "results.csv").read_text().splitlines()))
-    assert lines[0][:8] == ["method", "Covering", "PRI", "VI", "regions_median", "regions", "small_px", "images"]
+    assert lines[0][:9] == ["method", "Covering", "PRI", "VI", "regions_median", "regions", "small_px",
+                            "escape_median", "images"]
     assert "delta_VI_ci95_high" in lines[0] and "Covering_ci95_low" in lines[0]
     md = (out / "results.md").read_text().splitlines()
-    assert md[0].startswith("| method | Covering | PRI | VI | regions_median | regions | small_px | images |"
+    assert md[0].startswith("| method | Covering | PRI | VI | regions_median | regions | small_px | escape_median | images |"
                             " Covering 95% CI | PRI 95% CI | VI 95% CI | ΔCovering vs quant (95% CI) |")
     assert md[2].startswith(f"| quant | {rows[0]['Covering']:.3f} | {rows[0]['PRI']:.3f} | {rows[0]['VI']:.3f} |")
     panel = np.asarray(Image.open(out / "panels" / "val_a.png").convert("RGB"))

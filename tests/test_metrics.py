@@ -666,3 +666,38 @@ def test_region_bootstrap_recomputes_the_pooled_covering():
     assert d_lo == pytest.approx(np.percentile(diff, 5)) and d_hi == pytest.approx(np.percentile(diff, 95))
     with pytest.raises(ValueError, match="one kind"):
         bootstrap({"a": [a[0], hungarian_state(np.zeros((2, 2), int), np.zeros((2, 2), int), 2)]})
+
+
+def test_escape_probabilities_reach_the_region_and_multiclass_rows():
+    """Issue 46: the escape probability of every kept region goes into the eval rows. Per
+    image the method's ``escape`` list is kept in the state (through the cache's dict), the
+    row shows their median pooled over the images; a method without them shows nothing."""
+    from segment.core.masks import MethodOutput
+    from segment.eval.metrics import MulticlassState, RegionState, total
+    from segment.eval.scoring import score_multiclass, score_regions
+    from segment.eval.tables import Results, table_row
+
+    labels = torch.tensor([[[0, 0, 1, 1]] * 4, [[0, 1, 2, 2]] * 4])
+    fg = torch.ones(2, 3, dtype=torch.bool)
+    out = MethodOutput(heatmap=torch.zeros(2, 4, 4), labels=labels, foreground=fg,
+                       escape=[torch.tensor([0.10, 0.30]), torch.tensor([0.05, 0.20, 0.40])])
+    bare = MethodOutput(heatmap=torch.zeros(2, 4, 4), labels=labels, foreground=fg)
+    gts = [torch.zeros(1, 4, 4, dtype=torch.long), torch.zeros(1, 4, 4, dtype=torch.long)]
+    states = score_regions(out, gts, "cuts")
+    assert [s.escapes for s in states] == [pytest.approx([0.10, 0.30]), pytest.approx([0.05, 0.20, 0.40])]
+    whole = total(states, RegionState())
+    assert state_from_dict(whole.to_dict()) == whole
+    # median of 0.05, 0.10, 0.20, 0.30, 0.40 (pooled, not a median of per-image medians 0.2, 0.2)
+    assert whole.scores().escape_median == pytest.approx(0.20)
+    legacy = {k: v for k, v in whole.to_dict().items() if k != "escapes"}
+    assert state_from_dict(legacy).escapes == []
+    none = total(score_regions(bare, gts, "km"), RegionState())
+    assert none.escapes == [] and none.scores().escape_median is None
+    res = Results("regions", [table_row("cuts", whole), table_row("km", none)])
+    md = res.markdown().splitlines()
+    assert md[0].split(" | ")[7] == "escape_median"
+    assert md[2].split(" | ")[7] == "0.200" and md[3].split(" | ")[7] == "-"
+    assert res.csv().splitlines()[2].split(",")[7] == ""
+    mc = total(score_multiclass(out, [g[0] for g in gts], 3, "cuts"), MulticlassState.zero(3))
+    assert mc.scores().escape_median == pytest.approx(0.20)
+    assert table_row("cuts", mc)["escape_median"] == pytest.approx(0.20)
