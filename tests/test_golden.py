@@ -106,6 +106,8 @@ ECSSD_REFERENCE = {
 }
 
 
+@pytest.mark.shared
+@pytest.mark.slow
 def test_segment_eval_ecssd_byte_identical_and_reference_rows(tmp_path, dinov2_weights, ecssd_dev):
     """``segment-eval`` on ecssd-dev: the default's row first, then REFERENCE.md's
     protocol-fidelity rows from the same backbone pass; every output byte-identical to the
