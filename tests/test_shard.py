@@ -158,6 +158,8 @@ def test_torchrun_two_ranks_equal_one_and_resume_with_other_rank_counts(setup):
 _DYING_METHOD = '''
 import os
 import signal
+import time
+from pathlib import Path
 from dataclasses import dataclass
 
 from segment.methods import ClsAttention
@@ -174,6 +176,12 @@ class DieOnRankOne(ClsAttention):
         if os.environ.get("RANK") == "1":
             CALLS.append(record.batch_size)
             if len(CALLS) == 2:
+                # the first batch's files are written on other threads: let them land first,
+                # so the test knows what must survive the kill
+                records = Path(os.environ["DYING_RECORDS"])
+                deadline = time.monotonic() + 120
+                while not any(records.glob("*.json")) and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 os.kill(os.getpid(), signal.SIGKILL)
         return super().__call__(record)
 '''
@@ -188,7 +196,7 @@ def test_torchrun_a_dying_rank_keeps_finished_images_and_a_rerun_completes_the_r
     out = tmp_path / "out"
     run_args = [*args, "method=cls_attention", "method._target_=dying_method.DieOnRankOne", f"output={out}"]
     env_path = f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": env_path}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": env_path, "DYING_RECORDS": str(out / "records")}
     r = subprocess.run([*_torchrun(2), *run_args], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0, (r.stdout + r.stderr)[-3000:]
     records = {p.stem: json.loads(p.read_text()) for p in (out / "records").glob("*.json")}
