@@ -86,16 +86,41 @@ def _check(name: str, root: Path, paths: tuple[Path, ...] = ()) -> None:
     assert not changed, f"{len(changed)} of {len(want)} outputs changed: {changed[:8]}"
 
 
-def _cli(tool: str, *args: str) -> None:
+def _cli(tool: str, *args: str) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).with_name(tool)
     r = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
+    return r
 
 
 def test_segment_examples_byte_identical(tmp_path, dinov2_weights):
+    """The README's first command (the bundled examples by default): every output
+    byte-identical to the manifest, the demo's run record and last line as a newcomer reads
+    them, and the Python API's masks, heatmaps and labels equal to the files it wrote."""
+    import numpy as np
+    from PIL import Image
+
+    import segment
+
     out = tmp_path / "seg"
-    _cli("segment", f"input={EXAMPLES}", f"output={out}", f"model.checkpoint={dinov2_weights}")
+    r = _cli("segment", f"output={out}", f"model.checkpoint={dinov2_weights}")
+    assert r.stdout.strip().splitlines()[-1] == f"gallery: {out / 'index.html'}"
     _check("segment_examples", out, (EXAMPLES,))
+    man = json.loads((out / "run.json").read_text())
+    assert man["counts"]["segmented"] == 3 and man["model"] == "dinov2_vits14"
+    assert Path(man["input"]).resolve() == EXAMPLES
+    # the example folder holds only the photos: the demo run reports nothing as ignored
+    assert man["counts"]["ignored"] == 0 and "ignored" not in r.stdout + r.stderr, r.stderr
+    names = ["astronaut", "chelsea", "coffee"]
+    results = segment.load(checkpoint=dinov2_weights, device="cpu")([EXAMPLES / f"{n}.png" for n in names])
+    for res, n in zip(results, names):
+        m = np.asarray(Image.open(out / "masks" / f"{n}.png")) > 0
+        assert m.shape == Image.open(EXAMPLES / f"{n}.png").size[::-1]
+        assert 0.05 < m.mean() < 0.95, (n, m.mean())
+        np.testing.assert_array_equal(res.mask, m, err_msg=n)
+        h = np.asarray(Image.open(out / "heatmaps" / f"{n}.png"))  # index = round(255 R)
+        np.testing.assert_array_equal(np.clip(np.rint(res.heatmap * 255), 0, 255).astype(np.uint8), h, err_msg=n)
+        np.testing.assert_array_equal(res.labels, np.asarray(Image.open(out / "labels" / f"{n}.png")), err_msg=n)
 
 
 # ecssd-dev/REFERENCE.md: the protocol-fidelity rows (pixAcc, mIoU, mIoU_CA, mAP)
@@ -110,14 +135,21 @@ ECSSD_REFERENCE = {
 @pytest.mark.slow
 def test_segment_eval_ecssd_byte_identical_and_reference_rows(tmp_path, dinov2_weights, ecssd_dev):
     """``segment-eval`` on ecssd-dev: the default's row first, then REFERENCE.md's
-    protocol-fidelity rows from the same backbone pass; every output byte-identical to the
-    manifest, and the reference rows within 0.1 of REFERENCE.md."""
+    protocol-fidelity rows and the seed-and-grow method from the same backbone pass; every
+    output byte-identical to the manifest, and the reference rows within 0.1 of REFERENCE.md."""
     out = tmp_path / "ev"
     _cli("segment-eval", "dataset=folder", f"dataset.root={ecssd_dev}", f"output={out}",
-         f"model.checkpoint={dinov2_weights}", "methods=[cls_attention,rollout,cls_keychain]")
+         f"model.checkpoint={dinov2_weights}", "methods=[cls_attention,rollout,cls_keychain,regions]")
     rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())}
     assert list(rows)[0] == "cuts" and all(r["images"] == 100 for r in rows.values())
     for method, ref in ECSSD_REFERENCE.items():
         for k, v in ref.items():
             assert rows[method][k] == pytest.approx(v, abs=0.1), (method, k, rows[method][k], v)
+    # both region recipes (the default, cuts, and seed-and-grow) are ahead of CLS attention,
+    # the protocol's floor; the default is ahead of the strongest peer as well
+    cls = rows["cls_attention"]
+    for method in ("cuts", "regions"):
+        r = rows[method]
+        assert r["mIoU"] > cls["mIoU"] + 2 and r["pixAcc"] > cls["pixAcc"] and r["mAP"] > cls["mAP"], r
+    assert rows["cuts"]["mIoU"] > rows["cls_keychain"]["mIoU"]
     _check("eval_ecssd", out, (ecssd_dev,))

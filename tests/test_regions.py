@@ -390,41 +390,8 @@ def test_region_grow_on_tiny_random_vit():
         assert torch.isfinite(out.heatmap).all()
 
 
-@pytest.mark.shared
-def test_default_recipe_beats_cls_attention_on_ecssd_dev(dinov2_weights, ecssd_dev):
-    """The default method (configs/method/regions.yaml) against CLS attention on 20 real
-    images of ecssd-dev with the shared DINOv2 (the full table is in docs/recipe.md)."""
-    from hydra import compose, initialize_config_module
-    from hydra.utils import instantiate
-    from PIL import Image
-    from segment.eval.metrics import BinaryState, total
-    from segment.eval.scoring import score_binary
-    from segment.models.vit import TimmViT
-
-    with initialize_config_module(version_base="1.3", config_module="segment.configs"):
-        cfg = compose("segment", overrides=["method=regions"])
-    method = instantiate(cfg.method)
-    assert isinstance(method, RegionGrow), "the default method is the seed-and-grow recipe"
-    model = TimmViT(name="dinov2_vits14", arch="vit_small_patch14_dinov2.lvd142m", pretrained=False,
-                    checkpoint=str(dinov2_weights), image_size=224, device="cpu")
-    cls = ClsAttention()
-    cap = method.capture(model.num_layers).union(cls.capture(model.num_layers), model.num_layers)
-    names = sorted(p.name for p in (ecssd_dev / "images").iterdir())[:20]
-    states = {"regions": [], "cls": []}
-    for i in range(0, len(names), 10):
-        ims = [Image.open(ecssd_dev / "images" / f).convert("RGB") for f in names[i:i + 10]]
-        gts = [
-            torch.from_numpy(np.array(Image.open(ecssd_dev / "masks" / (f.rsplit(".", 1)[0] + ".png"))
-                                      .convert("L").resize((224, 224), Image.NEAREST)) > 127)
-            for f in names[i:i + 10]
-        ]
-        rec = model.extract(model.collate(ims), cap)
-        states["regions"] += score_binary(method(rec), gts, "image")
-        states["cls"] += score_binary(cls(rec), gts, "image")
-    r = total(states["regions"], BinaryState()).scores()
-    c = total(states["cls"], BinaryState()).scores()
-    assert r.mIoU > c.mIoU + 0.02 and r.pixAcc > c.pixAcc and r.mAP > c.mAP
-    assert math.isfinite(r.mIoU)
+# regions against CLS attention on real images: the ecssd-dev golden run (all 100 images),
+# tests/test_golden.py::test_segment_eval_ecssd_byte_identical_and_reference_rows
 
 
 def test_region_grow_falls_back_to_cls_threshold_without_a_split():
