@@ -11,8 +11,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 # pytest-xdist runs N workers side by side: each (and every command a test starts, through
 # OMP_NUM_THREADS) gets its share of the cores, not all of them (N workers each using every
@@ -66,3 +68,15 @@ def interrupt_when(proc: subprocess.Popen, ready: Callable[[], bool], timeout: f
     proc.send_signal(signal.SIGINT)
     log, _ = proc.communicate(timeout=120)
     return log
+
+
+def assert_results_equal_files(results: list, out: Path, names: list[str]) -> None:
+    """The API's results equal the files ``segment`` wrote under ``out`` for ``names``:
+    masks, heatmaps (the PNG index is round(255 R)) and, where the method gives them, labels."""
+    for r, n in zip(results, names):
+        m = np.asarray(Image.open(out / "masks" / f"{n}.png")) > 0
+        np.testing.assert_array_equal(r.mask, m, err_msg=n)
+        h = np.asarray(Image.open(out / "heatmaps" / f"{n}.png"))
+        np.testing.assert_array_equal(np.clip(np.rint(r.heatmap * 255), 0, 255).astype(np.uint8), h, err_msg=n)
+        if r.labels is not None:
+            np.testing.assert_array_equal(r.labels, np.asarray(Image.open(out / "labels" / f"{n}.png")), err_msg=n)

@@ -20,6 +20,8 @@ import segment
 from segment.run.api import Result, Segmenter, compose_config, to_image
 from segment.run.io import read_image
 
+from conftest import assert_results_equal_files
+
 REPO = Path(__file__).resolve().parents[1]
 SEGMENT = Path(sys.executable).with_name("segment")
 
@@ -304,16 +306,6 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(SEGMENT), *args], capture_output=True, text=True, timeout=300, env=env)
 
 
-def _assert_same_as_files(results: list[Result], out: Path, names: list[str]) -> None:
-    for r, n in zip(results, names):
-        m = np.asarray(Image.open(out / "masks" / f"{n}.png")) > 0
-        np.testing.assert_array_equal(r.mask, m, err_msg=n)
-        h = np.asarray(Image.open(out / "heatmaps" / f"{n}.png"))  # index = round(255 R)
-        np.testing.assert_array_equal(np.clip(np.rint(r.heatmap * 255), 0, 255).astype(np.uint8), h, err_msg=n)
-        if r.labels is not None:
-            np.testing.assert_array_equal(r.labels, np.asarray(Image.open(out / "labels" / f"{n}.png")), err_msg=n)
-
-
 def test_api_masks_equal_cli_masks(tmp_path, tiny_checkpoint):
     """The command (a subprocess) and the API, same weights and settings: identical files."""
     src, out = tmp_path / "in", tmp_path / "out"
@@ -329,7 +321,7 @@ def test_api_masks_equal_cli_masks(tmp_path, tiny_checkpoint):
     names = [f"{i}" for i in range(6)]
     results = seg([src / f"{n}.png" for n in names])
     assert any(res.mask.any() and not res.mask.all() for res in results)
-    _assert_same_as_files(results, out, names)
+    assert_results_equal_files(results, out, names)
 
 
 # the real weights on the bundled examples (the README's first command, the API beside it):
