@@ -134,9 +134,11 @@ def instantiate_model(cfg: DictConfig, device: torch.device) -> Backbone:
 def _instantiate_dataset(cfg: DictConfig) -> Any:
     from hydra.utils import instantiate
 
-    missing = [k for k in cfg.dataset if OmegaConf.is_missing(cfg.dataset, k)]
+    from segment.run.front import unset_dataset_settings
+
+    missing = unset_dataset_settings(cfg.dataset)
     if missing:
-        raise ConfigError(f"dataset: set {', '.join('dataset.' + k for k in missing)} (e.g. dataset.{missing[0]}=PATH)")
+        raise ConfigError(missing)
     try:
         return instantiate(cfg.dataset)
     except Exception as e:  # Hydra wraps constructor errors in InstantiationException

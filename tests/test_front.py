@@ -251,25 +251,13 @@ def test_output_that_cannot_be_written(tmp_path, cmd):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"] + (["ro"] if os.geteuid() else [])
 
 
-def test_segment_creates_nothing_when_it_cannot_start(tmp_path):
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    r = run("segment", f"input={tmp_path / 'missing'}", *TINY, cwd=cwd)  # default output outputs/segment
-    assert r.returncode == 2 and "does not exist" in r.stdout + r.stderr
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    r = run("segment", f"input={empty}", f"output={cwd / 'res'}", *TINY, cwd=cwd)
-    assert r.returncode == 2 and "no images found" in r.stdout + r.stderr
-    _nothing_created(cwd)
-
-
 def test_segment_eval_exit_codes_and_no_stray_folders(tmp_path):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     r = run("segment-eval", *TINY, cwd=cwd)  # no dataset.root
     assert r.returncode == 2 and "dataset.root" in r.stderr, r.stderr
     r = run("segment-eval", *TINY, f"dataset.root={tmp_path / 'missing'}", cwd=cwd)
-    assert r.returncode == 2 and "no such folder" in r.stderr, r.stderr
+    assert r.returncode == 2 and "dataset.root: no such file or folder" in r.stderr, r.stderr
     _nothing_created(cwd)  # the default outputs/eval/DATE/TIME is gone again
     data = _folder(tmp_path / "data", 3, masks=True)
     r = run("segment-eval", *TINY, f"dataset.root={data}", "dataset.size=[48,56]", "model.image_size=56",
@@ -312,22 +300,70 @@ def test_segment_ends_by_printing_the_gallery(tmp_path):
 
 
 def test_segment_failures_before_the_run_are_one_segment_line(tmp_path):
-    """Missing input, no images, a model that cannot be built: one ``segment: ...`` line
-    each (not a logger line with a time stamp), exit 2, no traceback."""
+    """Missing input, no images, a checkpoint that does not exist: one ``segment: ...`` line
+    each (not a logger line with a time stamp), exit 2, no traceback, nothing created (the
+    first into the default output folder); the paths are checked before torch loads."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
     empty = tmp_path / "empty"
     empty.mkdir()
     img = tmp_path / "one"
     img.mkdir()
     Image.fromarray(np.full((40, 40, 3), 90, np.uint8)).save(img / "a.png")
     for args, needle in (
-        (["input=nope/"], "segment: input path 'nope' does not exist"),
-        ([f"input={empty}"], "segment: no images found under"),
-        ([f"input={img}", f"model.checkpoint={tmp_path / 'no.safetensors'}"], "segment: cannot build the model"),
+        (["input=nope/"], "segment: input path 'nope' does not exist"),  # default output
+        ([f"input={empty}", f"output={cwd / 'out'}"], "segment: no images found under"),
+        ([f"input={img}", f"model.checkpoint={tmp_path / 'no.safetensors'}", f"output={cwd / 'out'}"],
+         f"segment: model.checkpoint: no such file: {tmp_path / 'no.safetensors'}"),
     ):
-        r = run("segment", *args, f"output={tmp_path / 'out'}", *TINY, cwd=tmp_path)
+        r = run("segment", *args, *TINY, cwd=cwd)
         line = _one_line_error(r, needle)
         assert line.startswith(needle) and "ERROR" not in r.stdout + r.stderr, (line, r.stdout, r.stderr)
-        assert not (tmp_path / "out").exists()
+        _nothing_created(cwd)
+
+
+_CHECK_PATHS = """
+import sys
+from segment.run.front import UsageError, check_paths, compose
+for command, args, want in CASES:
+    try:
+        check_paths(command, compose(command, args))
+    except UsageError as e:
+        assert str(e) == want, (str(e), want)
+    else:
+        raise AssertionError(f"{command} {args}: no error")
+check_paths("segment", compose("segment", []))  # the bundled examples, the hub weights
+assert "torch" not in sys.modules, "the pre-check imported torch"
+print("ok")
+"""
+
+
+def test_paths_are_checked_before_torch_loads(tmp_path):
+    """The paths a command reads are checked on the composed config without importing torch
+    (which with timm takes 4-8 s): a mistyped path fails at once."""
+    nope, empty = tmp_path / "nope", tmp_path / "empty"
+    (empty / ".hidden").mkdir(parents=True)
+    (empty / ".hidden" / "a.png").write_bytes(b"")  # hidden folders are not read
+    (empty / "notes.txt").write_text("x")
+    cases = [
+        ("segment", [f"input={empty}"],
+         f"no images found under '{empty}' (looked recursively for .jpg, .jpeg, .png, .webp, .bmp,"
+         " .tif, .tiff; 1 other files ignored)"),
+        ("segment", [f"input={nope}"], f"input path '{nope}' does not exist"),
+        ("segment", [f"model.checkpoint={nope}.pt"], f"model.checkpoint: no such file: {nope}.pt"),
+        ("segment", [f"model.checkpoint={tmp_path}"], f"model.checkpoint: no such file: {tmp_path}"),
+        ("segment-eval", [], "dataset: set dataset.root (e.g. dataset.root=PATH)"),
+        ("segment-eval", [f"dataset.root={nope}"], f"dataset.root: no such file or folder: {nope}"),
+        ("segment-eval", ["experiment=token_masking", f"masking.input={nope}"],
+         f"masking.input: input path '{nope}' does not exist"),
+        ("segment-diagnose", [f"input={nope}"], f"input path '{nope}' does not exist"),
+        ("segment-diagnose", ["compare=vit_tiny_random", f"compare_checkpoint={nope}"],
+         f"compare_checkpoint: no such file: {nope}"),
+        ("segment-diagnose", [f"compare_checkpoint={nope}"], f"compare_checkpoint={nope} needs compare=MODEL"),
+    ]
+    r = subprocess.run([sys.executable, "-c", f"CASES = {cases!r}\n" + _CHECK_PATHS],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
 
 
 def test_an_unexpected_error_in_a_job_is_one_line_unless_hydra_full_error(monkeypatch, capsys):

@@ -447,6 +447,55 @@ def check_output(output: str | os.PathLike) -> Plan:
     return Plan(output=out, output_existed=out.exists(), anchor=anchor)
 
 
+def check_paths(command: str, cfg: DictConfig) -> None:
+    """The files and folders the command reads exist: ``input`` (and holds an image),
+    ``model.checkpoint``, ``compare_checkpoint`` (with ``compare``), ``dataset.root`` (or,
+    token masking, ``masking.input``). Checked before any model library loads (torch and
+    timm take seconds to import), so a mistyped path or an empty folder fails at once; the
+    run checks them again where it reads them (the Python API starts there).
+
+    Raises:
+        UsageError: naming the setting and the path.
+    """
+    from segment.run.io import InputError, check_input
+
+    if command in ("segment", "segment-diagnose") and cfg.get("input") is not None:
+        try:
+            check_input(str(cfg.input))
+        except InputError as e:
+            raise UsageError(str(e)) from None
+    if cfg.get("compare_checkpoint") and not cfg.get("compare"):
+        raise UsageError(f"compare_checkpoint={cfg.compare_checkpoint} needs compare=MODEL")
+    files = ["model.checkpoint"] + (["compare_checkpoint"] if cfg.get("compare") else [])
+    for key in files:
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None and not Path(str(value)).expanduser().is_file():
+            raise UsageError(f"{key}: no such file: {Path(str(value)).expanduser()}")
+    if command != "segment-eval":
+        return
+    if cfg.get("masking") is not None:  # experiment=token_masking reads masking.input instead
+        if cfg.masking.get("input") is not None:
+            try:
+                check_input(str(cfg.masking.input))
+            except InputError as e:
+                raise UsageError(f"masking.input: {e}") from None
+        return
+    missing = unset_dataset_settings(cfg.dataset)
+    if missing:
+        raise UsageError(missing)
+    root = cfg.dataset.get("root")
+    if root is not None and not Path(str(root)).expanduser().exists():
+        raise UsageError(f"dataset.root: no such file or folder: {Path(str(root)).expanduser()}")
+
+
+def unset_dataset_settings(dataset: DictConfig) -> str | None:
+    """The message naming the data set's required settings left unset (``???``), or None."""
+    missing = [k for k in dataset if OmegaConf.is_missing(dataset, k)]
+    if not missing:
+        return None
+    return f"dataset: set {', '.join('dataset.' + k for k in missing)} (e.g. dataset.{missing[0]}=PATH)"
+
+
 class FolderInUse(Exception):
     """Another ``segment`` run holds the output folder (one line, exit 3)."""
 
@@ -536,6 +585,7 @@ def run_command(command: str, hydra_main: Callable[[], Any], argv: Sequence[str]
                 plan = check_output(str(cfg.output))
             if command == "segment" and plan.output is not None and os.environ.get("RANK", "0") == "0":
                 check_not_busy(plan.output)  # before Hydra writes its files into the folder
+            check_paths(command, cfg)
     except UsageError as e:
         print(f"{command}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

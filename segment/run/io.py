@@ -171,6 +171,41 @@ def _within(path: Path, folder: Path) -> bool:
         return False
 
 
+def check_input(input_path: str | os.PathLike) -> Path:
+    """``input_path`` (``~`` expanded) when it exists and, a folder, holds an image somewhere
+    (the search stops at the first); the commands call this before loading any model
+    library, so a mistyped path or an empty folder fails at once.
+
+    Raises:
+        InputError: when it does not exist, or is a folder without any image.
+    """
+    root = _existing(input_path)
+    if root.is_dir() and not _any_image(root):
+        raise InputError(no_images_message(find_images(root)))
+    return root
+
+
+def no_images_message(listing: Listing) -> str:
+    """What a run says when ``listing`` holds no image."""
+    return (f"no images found under {str(listing.root)!r} (looked recursively for "
+            f"{', '.join(IMAGE_EXTENSIONS)}; {len(listing.ignored)} other files ignored)")
+
+
+def _existing(input_path: str | os.PathLike) -> Path:
+    root = Path(input_path).expanduser()
+    if not root.exists():
+        raise InputError(f"input path {str(root)!r} does not exist")
+    return root
+
+
+def _any_image(root: Path) -> bool:
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        if any(not f.startswith(".") and is_image_name(f) for f in filenames):
+            return True
+    return False
+
+
 def find_images(input_path: str | os.PathLike, exclude: Iterable[str | os.PathLike] = ()) -> Listing:
     """List every image under ``input_path`` (recursively), sorted, with output names.
 
@@ -185,10 +220,7 @@ def find_images(input_path: str | os.PathLike, exclude: Iterable[str | os.PathLi
     Raises:
         InputError: when ``input_path`` does not exist or is neither file nor folder.
     """
-    root = Path(input_path).expanduser()
-    if not root.exists():
-        raise InputError(f"input path {str(root)!r} does not exist")
-    root = root.resolve()
+    root = _existing(input_path).resolve()
     if root.is_file():
         f = ImageFile(path=root, rel=root.name, name=output_names([root.name])[0])
         return Listing(root=root.parent, files=[f])

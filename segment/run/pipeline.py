@@ -65,7 +65,7 @@ from PIL import Image
 from segment.models.base import Backbone
 from segment.run import plan, shard, summary
 from segment.run.api import Segmenter
-from segment.run.io import IMAGE_EXTENSIONS, InputError, bundled_examples
+from segment.run.io import InputError, bundled_examples, no_images_message
 from segment.run.lock import FolderBusy, OutputLock
 from segment.run.outputs import single_threaded_rendering
 from segment.run.stages import OutputFault, StageRunner, StageSettings, describe
@@ -181,10 +181,7 @@ class SegmentRun:
         for rel, why in state.ignored:
             log.info("ignored %s: %s", rel, why)
         if not state.files:
-            return self._fail(
-                f"no images found under {str(listing.root)!r} (looked recursively for "
-                f"{', '.join(IMAGE_EXTENSIONS)}; {len(state.ignored)} other files ignored)"
-            )
+            return self._fail(no_images_message(listing))
         ts = time.perf_counter()
         state.mine = shard.share(state.files, self.ctx)  # torchrun: every world_size-th image
         todo = plan.plan_items(state.mine, self.settings, state)
