@@ -25,6 +25,12 @@ os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` (10 s or more) run first, in their file order: with ``-n 2`` the
+    workers then end on short tests instead of one waiting for the other's long one."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
+
+
 def _shared() -> Path | None:
     root = os.environ.get("SEGMENT_SHARED")
     if not root:

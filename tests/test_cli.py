@@ -38,6 +38,7 @@ def _img(h: int, w: int, seed: int) -> Image.Image:
     return Image.fromarray(a)
 
 
+@pytest.mark.slow
 def test_cli_runs_on_a_folder(tmp_path):
     src, out = tmp_path / "in", tmp_path / "out"
     (src / "nested").mkdir(parents=True)
@@ -64,6 +65,7 @@ def test_cli_exit_code_when_nothing_to_do(tmp_path):
     assert "no images found" in r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_cli_ctrl_c_then_resume(tmp_path):
     """SIGINT in the middle: exit 130, complete files only, the rerun does the rest."""
     src, out = tmp_path / "in", tmp_path / "out"
@@ -100,6 +102,7 @@ def test_cli_ctrl_c_then_resume(tmp_path):
 # golden run, tests/test_golden.py::test_segment_examples_byte_identical
 
 
+@pytest.mark.slow
 def test_cli_dinov2_masks_match_ecssd_ground_truth(tmp_path, dinov2_weights, ecssd_dev):
     """Masks at original resolution overlap the ground truth (any flip, transpose or
     misalignment of the outputs would destroy the overlap)."""
@@ -146,6 +149,7 @@ def small_disk(tmp_path):
         subprocess.run(["umount", str(mnt)], check=False)
 
 
+@pytest.mark.slow
 def test_cli_full_disk_is_one_line_and_a_rerun_with_room_completes(tmp_path, small_disk):
     """12 photos into a 600 KB tmpfs: exit 1 and one line (no traceback, no image reported
     as skipped), finished images complete and no partial ones; with room, a rerun does the rest."""

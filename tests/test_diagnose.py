@@ -119,6 +119,7 @@ def test_api_compare_same_shape_gives_a_per_head_difference(tmp_path):
 # --------------------------------------------------------------------------- the command
 
 
+@pytest.mark.slow
 def test_command_tiny_model_writes_json_csv_and_report(tmp_path):
     src, out = tmp_path / "in", tmp_path / "out"
     (src / "sub").mkdir(parents=True)
@@ -242,6 +243,7 @@ def test_command_real_dinov2_on_bundled_examples_against_tiny_random(tmp_path, d
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (apt-get install chromium)")
+@pytest.mark.slow
 def test_report_renders_in_chromium(tmp_path):
     """report.html in headless Chromium: every plot decodes and is drawn at a readable
     size, nothing overflows the window sideways. SEGMENT_SCREENSHOTS=DIR keeps a screenshot."""

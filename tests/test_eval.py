@@ -637,6 +637,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_equal_one(folder, tmp_path):
     """2 gloo ranks on CPU: sharded, merged numbers equal the single-process run."""
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
@@ -666,6 +667,7 @@ def test_torchrun_two_ranks_equal_one(folder, tmp_path):
     assert "| method | pixAcc |" in r2.stdout and r2.stdout.count("| bounce |") == 1  # rank 0 prints
 
 
+@pytest.mark.slow
 def test_torchrun_a_method_the_model_cannot_run_stops_every_rank(folder, tmp_path):
     """A rank without images (limit=1 over 2 ranks) checks the methods against the model
     too, so both ranks stop with exit 2 instead of one waiting for the other's results."""

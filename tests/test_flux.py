@@ -872,6 +872,7 @@ def test_joint_chain_on_captured_flux_attention_equals_float64(backbone, directi
         torch.testing.assert_close(pi[b].double(), ref[T:], rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.slow
 def test_reproduce_flux_script_end_to_end(tmp_path):
     """`bash eval/reproduce_flux.sh DATA` with the tiny model: every FLUX table and the
     manifest (device, versions, seeds) land in --out; the working folders stay in --work."""

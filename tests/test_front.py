@@ -124,6 +124,7 @@ def test_a_value_of_the_wrong_type_or_range_is_named_in_one_line(tmp_path, cmd, 
     _nothing_created(tmp_path)
 
 
+@pytest.mark.slow
 def test_segment_eval_setup_errors_exit_2_in_one_line_and_leave_nothing(tmp_path):
     """Errors found when the run starts (no CUDA, a layer the model lacks) are settings
     errors: one line, exit 2, no output folder, as with `segment`."""
@@ -251,6 +252,7 @@ def test_output_that_cannot_be_written(tmp_path, cmd):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"] + (["ro"] if os.geteuid() else [])
 
 
+@pytest.mark.slow
 def test_segment_eval_exit_codes_and_no_stray_folders(tmp_path):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
@@ -267,6 +269,7 @@ def test_segment_eval_exit_codes_and_no_stray_folders(tmp_path):
     assert json.loads(res.read_text())[0]["images"] == 3
 
 
+@pytest.mark.slow
 def test_segment_eval_ctrl_c_exits_130(tmp_path):
     data = _folder(tmp_path / "data", 150, masks=True)
     out = tmp_path / "out"
@@ -279,6 +282,7 @@ def test_segment_eval_ctrl_c_exits_130(tmp_path):
     assert "interrupted" in log and "Traceback" not in log
 
 
+@pytest.mark.slow
 def test_segment_ends_by_printing_the_gallery(tmp_path):
     """Exit 0 and the gallery's path last; new keys under an open node (`+model.model_kwargs.X`,
     a timm argument) are allowed and reach the model; exit 1 when nothing could be segmented."""
@@ -299,6 +303,7 @@ def test_segment_ends_by_printing_the_gallery(tmp_path):
     assert (tmp_path / "o2" / "index.html").is_file()
 
 
+@pytest.mark.slow
 def test_segment_failures_before_the_run_are_one_segment_line(tmp_path):
     """Missing input, no images, a checkpoint that does not exist: one ``segment: ...`` line
     each (not a logger line with a time stamp), exit 2, no traceback, nothing created (the
@@ -400,6 +405,7 @@ def test_an_unexpected_error_in_a_job_is_one_line_unless_hydra_full_error(monkey
 
 
 @pytest.mark.parametrize("how", ["HF_HUB_OFFLINE", "unreachable"])
+@pytest.mark.slow
 def test_offline_fails_fast_with_one_message(tmp_path, how):
     """No cached weights, no hub: one line naming model.checkpoint=PATH and the cache,
     within seconds (the hub client alone retries for about a minute), nothing left."""

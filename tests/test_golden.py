@@ -95,6 +95,7 @@ def _cli(tool: str, *args: str) -> subprocess.CompletedProcess:
     return r
 
 
+@pytest.mark.slow
 def test_segment_examples_byte_identical(tmp_path, dinov2_weights):
     """The README's first command (the bundled examples by default): every output
     byte-identical to the manifest, the demo's run record and last line as a newcomer reads

@@ -430,6 +430,7 @@ def test_properties_random_shapes(batch, n, alpha, seed):
 
 
 @pytest.mark.shared
+@pytest.mark.slow
 def test_lambda2_on_real_dinov2_heads_at_448(dinov2_weights):
     """Real patch chains (N = 1024) of the shared DINOv2 ViT-S/14 on a bundled example:
     the fast path agrees with dense float64 to 1e-4, early grid-like layers included."""

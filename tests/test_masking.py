@@ -268,6 +268,7 @@ def eval_cmd(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([str(EVAL), *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_command_end_to_end_on_a_tiny_folder(tmp_path):
     folder = tiny_folder(tmp_path)
     out = tmp_path / "out"
@@ -297,6 +298,7 @@ def test_command_end_to_end_on_a_tiny_folder(tmp_path):
     assert "Δ vs cls_attention (95% CI)" in r.stdout
 
 
+@pytest.mark.slow
 def test_command_with_a_head_and_labels(tmp_path):
     folder = tiny_folder(tmp_path, k=2)
     labels = tmp_path / "labels.txt"
