@@ -647,9 +647,10 @@ def test_torchrun_two_ranks_equal_one(folder, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     one = tmp_path / "one"
     two = tmp_path / "two"
-    r1 = subprocess.run([sys.executable, "-m", "segment.eval", *args, f"output={one}"],
-                        env=env, capture_output=True, text=True, timeout=300)
-    assert r1.returncode == 0, r1.stderr[-3000:]
+    # the single process: this one (the config composed as the command composes it)
+    from segment.run.front import compose as compose_command
+
+    assert run_eval(compose_command("segment-eval", [*args, f"output={one}"])) == EXIT_OK
     r2 = subprocess.run(
         [torchrun, "--nnodes=1", "--nproc_per_node=2", f"--master_port={_free_port()}",
          "-m", "segment.eval", *args, f"output={two}"],

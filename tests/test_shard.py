@@ -72,6 +72,15 @@ def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _in_process(*args: str) -> int:
+    """``segment ARGS`` in this process (its config composed as the command composes it; the
+    same code from there on, without starting another interpreter, torch and timm)."""
+    from segment.run.front import compose
+    from segment.run.pipeline import run_segment
+
+    return run_segment(compose("segment", list(args)))
+
+
 def _torchrun(n: int) -> list[str]:
     """``torchrun`` of this Python (``python -m torch.distributed.run`` is the same program)."""
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={n}", f"--master_port={_free_port()}", "-m", "segment"]
@@ -103,8 +112,7 @@ def _same_coco(a: Path, b: Path) -> None:
 def test_torchrun_two_ranks_equal_one_and_resume_with_other_rank_counts(setup):
     root, src, args = setup
     one, two = root / "one", root / "two"
-    r1 = _run([sys.executable, "-m", "segment", *args, f"output={one}"])
-    assert r1.returncode == 0, r1.stderr[-3000:]
+    assert _in_process(*args, f"output={one}") == 0  # the single process: this one
     r2 = _run([*_torchrun(2), *args, f"output={two}"])
     assert r2.returncode == 0, (r2.stdout + r2.stderr)[-4000:]
     logs = r2.stdout + r2.stderr
@@ -188,7 +196,7 @@ class DieOnRankOne(ClsAttention):
 
 
 @pytest.mark.slow
-def test_torchrun_a_dying_rank_keeps_finished_images_and_a_rerun_completes_the_run(setup, tmp_path):
+def test_torchrun_a_dying_rank_keeps_finished_images_and_a_rerun_completes_the_run(setup, tmp_path, monkeypatch):
     """One rank killed mid-run (SIGKILL): torchrun fails, every image recorded as done has all
     its files, and the same command in one process resumes those and does only the rest."""
     root, src, args = setup
@@ -204,9 +212,8 @@ def test_torchrun_a_dying_rank_keeps_finished_images_and_a_rerun_completes_the_r
     for rec in records.values():  # a recorded image is whole
         for rel in rec["outputs"].values():
             assert (out / rel).is_file() and (out / rel).stat().st_size > 0, rel
-    again = subprocess.run([sys.executable, "-m", "segment", *run_args], env=env, capture_output=True,
-                           text=True, timeout=300)
-    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    monkeypatch.syspath_prepend(str(tmp_path))  # dying_method (it kills rank 1 only)
+    assert _in_process(*run_args) == 0  # the same command in one process: this one
     man = json.loads((out / "run.json").read_text())
     resumed = {s["name"] for s in man["images"] if s["status"] == "resumed"}
     assert set(records) <= resumed  # (rank 0 may finish the file it was writing when told to stop)
