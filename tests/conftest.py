@@ -76,6 +76,16 @@ def interrupt_when(proc: subprocess.Popen, ready: Callable[[], bool], timeout: f
     return log
 
 
+def segment_in_process(*args: str) -> int:
+    """``segment ARGS`` in the test's own process, its config composed as the command composes
+    it, for runs whose command line is not what a test checks (no interpreter, torch and timm
+    to start); the exit code."""
+    from segment.run.front import compose
+    from segment.run.pipeline import run_segment
+
+    return run_segment(compose("segment", list(args)))
+
+
 def assert_results_equal_files(results: list, out: Path, names: list[str]) -> None:
     """The API's results equal the files ``segment`` wrote under ``out`` for ``names``:
     masks, heatmaps (the PNG index is round(255 R)) and, where the method gives them, labels."""

@@ -15,8 +15,8 @@ from PIL import Image
 from scipy.optimize import linear_sum_assignment
 
 from segment.eval.runner import EXIT_OK, run_eval
-from segment.run.front import compose as compose_command
-from segment.run.pipeline import run_segment
+
+from conftest import segment_in_process
 
 NAMES = ("0016E5_07959", "0016E5_08085", "0016E5_08151")  # three camvid-dev scenes
 VOID = 11
@@ -71,9 +71,8 @@ def test_segment_labels_score_like_segment_eval(camvid_three, dinov2_weights, tm
     # `segment` (in this process, composed as the command composes it); nearest: the rule
     # segment-eval scores with (the default, smooth, is nicer on photos larger than the
     # input and scores a little differently)
-    assert run_segment(compose_command("segment", [
-        f"input={camvid_three / 'images'}", f"output={seg_out}", *model, "progress=false",
-        "render.fsync=false", "label_upsampling=nearest"])) == 0
+    assert segment_in_process(f"input={camvid_three / 'images'}", f"output={seg_out}", *model,
+                              "progress=false", "render.fsync=false", "label_upsampling=nearest") == 0
     assert json.loads((seg_out / "run.json").read_text())["counts"]["segmented"] == 3
     outside = score_folder(seg_out / "labels", camvid_three / "labels")
 

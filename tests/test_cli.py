@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import interrupt_when
+from conftest import interrupt_when, segment_in_process
 
 SEGMENT = Path(sys.executable).with_name("segment")
 TINY = ["model=vit_tiny_random", "device=cpu", "render.fsync=false"]
@@ -31,16 +31,6 @@ def segment(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     if not SEGMENT.is_file():
         pytest.fail(f"the segment command is not installed next to {sys.executable}")
     return subprocess.run([str(SEGMENT), *args], capture_output=True, text=True, timeout=timeout, env=_env())
-
-
-def segment_here(*args: str) -> int:
-    """``segment ARGS`` in this process (composed as the command composes its config), for
-    the runs whose command line is not what a test checks: one interpreter, torch and timm
-    fewer to start."""
-    from segment.run.front import compose
-    from segment.run.pipeline import run_segment
-
-    return run_segment(compose("segment", list(args)))
 
 
 def _img(h: int, w: int, seed: int) -> Image.Image:
@@ -98,7 +88,7 @@ def test_cli_ctrl_c_then_resume(tmp_path):
         if p.suffix in (".png", ".jpg"):
             with Image.open(p) as im:
                 im.load()  # complete, decodable
-    assert segment_here(f"input={src}", f"output={out}", "progress=false", *TINY) == 0  # the rerun
+    assert segment_in_process(f"input={src}", f"output={out}", "progress=false", *TINY) == 0  # the rerun
     man = json.loads((out / "run.json").read_text())
     assert man["counts"]["resumed"] == len(list((out / "records").glob("*.json"))) - man["counts"]["segmented"]
     assert man["counts"]["resumed"] >= done and man["counts"]["resumed"] + man["counts"]["segmented"] == n
@@ -122,7 +112,7 @@ def test_cli_dinov2_masks_match_ecssd_ground_truth(tmp_path, dinov2_weights, ecs
     for n in names:
         shutil.copyfile(ecssd_dev / "images" / f"{n}.jpg", src / f"{n}.jpg")
     out = tmp_path / "out"
-    assert segment_here(f"input={src}", f"output={out}", "model=dinov2_vits14",
+    assert segment_in_process(f"input={src}", f"output={out}", "model=dinov2_vits14",
                         f"model.checkpoint={dinov2_weights}", "device=cpu", "progress=false") == 0
     inter = union = correct = total = 0
     for n in names:
@@ -186,6 +176,6 @@ def test_cli_full_disk_is_one_line_and_a_rerun_with_room_completes(tmp_path, sma
         if p.is_file() and p.suffix in (".png", ".jpg"):
             assert p.stem in done, p  # no partial set of an unfinished image
     grow()
-    assert segment_here(*args[1:]) == 0  # the same command with room: the rest is done
+    assert segment_in_process(*args[1:]) == 0  # the same command with room: the rest is done
     man = json.loads((out / "run.json").read_text())
     assert man["counts"]["resumed"] == len(done) and man["counts"]["segmented"] == 12 - len(done)

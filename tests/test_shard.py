@@ -18,6 +18,8 @@ from PIL import Image
 from segment.run.dist import DistContext
 from segment.run.shard import RankReport, share
 
+from conftest import segment_in_process
+
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 
 SIZES = [(40, 60), (50, 30), (33, 47), (45, 45), (30, 40), (64, 48), (28, 70)]  # (h, w)
@@ -72,15 +74,6 @@ def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _in_process(*args: str) -> int:
-    """``segment ARGS`` in this process (its config composed as the command composes it; the
-    same code from there on, without starting another interpreter, torch and timm)."""
-    from segment.run.front import compose
-    from segment.run.pipeline import run_segment
-
-    return run_segment(compose("segment", list(args)))
-
-
 def _torchrun(n: int) -> list[str]:
     """``torchrun`` of this Python (``python -m torch.distributed.run`` is the same program)."""
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={n}", f"--master_port={_free_port()}", "-m", "segment"]
@@ -112,7 +105,7 @@ def _same_coco(a: Path, b: Path) -> None:
 def test_torchrun_two_ranks_equal_one_and_resume_with_other_rank_counts(setup):
     root, src, args = setup
     one, two = root / "one", root / "two"
-    assert _in_process(*args, f"output={one}") == 0  # the single process: this one
+    assert segment_in_process(*args, f"output={one}") == 0  # the single process: this one
     r2 = _run([*_torchrun(2), *args, f"output={two}"])
     assert r2.returncode == 0, (r2.stdout + r2.stderr)[-4000:]
     logs = r2.stdout + r2.stderr
@@ -213,7 +206,7 @@ def test_torchrun_a_dying_rank_keeps_finished_images_and_a_rerun_completes_the_r
         for rel in rec["outputs"].values():
             assert (out / rel).is_file() and (out / rel).stat().st_size > 0, rel
     monkeypatch.syspath_prepend(str(tmp_path))  # dying_method (it kills rank 1 only)
-    assert _in_process(*run_args) == 0  # the same command in one process: this one
+    assert segment_in_process(*run_args) == 0  # the same command in one process: this one
     man = json.loads((out / "run.json").read_text())
     resumed = {s["name"] for s in man["images"] if s["status"] == "resumed"}
     assert set(records) <= resumed  # (rank 0 may finish the file it was writing when told to stop)

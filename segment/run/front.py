@@ -459,33 +459,33 @@ def check_paths(command: str, cfg: DictConfig) -> None:
     """
     from segment.run.io import InputError, check_input
 
-    if command in ("segment", "segment-diagnose") and cfg.get("input") is not None:
-        try:
-            check_input(str(cfg.input))
-        except InputError as e:
-            raise UsageError(str(e)) from None
+    def images(value: Any, prefix: str = "") -> None:
+        if value is not None:
+            try:
+                check_input(str(value))
+            except InputError as e:
+                raise UsageError(f"{prefix}{e}") from None
+
+    if command in ("segment", "segment-diagnose"):
+        images(cfg.get("input"))
     if cfg.get("compare_checkpoint") and not cfg.get("compare"):
         raise UsageError(f"compare_checkpoint={cfg.compare_checkpoint} needs compare=MODEL")
     files = ["model.checkpoint"] + (["compare_checkpoint"] if cfg.get("compare") else [])
     for key in files:
         value = OmegaConf.select(cfg, key, default=None)
-        if value is not None and not Path(str(value)).expanduser().is_file():
-            raise UsageError(f"{key}: no such file: {Path(str(value)).expanduser()}")
+        if value is not None and not (path := Path(str(value)).expanduser()).is_file():
+            raise UsageError(f"{key}: no such file: {path}")
     if command != "segment-eval":
         return
     if cfg.get("masking") is not None:  # experiment=token_masking reads masking.input instead
-        if cfg.masking.get("input") is not None:
-            try:
-                check_input(str(cfg.masking.input))
-            except InputError as e:
-                raise UsageError(f"masking.input: {e}") from None
+        images(cfg.masking.get("input"), "masking.input: ")
         return
     missing = unset_dataset_settings(cfg.dataset)
     if missing:
         raise UsageError(missing)
     root = cfg.dataset.get("root")
-    if root is not None and not Path(str(root)).expanduser().exists():
-        raise UsageError(f"dataset.root: no such file or folder: {Path(str(root)).expanduser()}")
+    if root is not None and not (path := Path(str(root)).expanduser()).exists():
+        raise UsageError(f"dataset.root: no such file or folder: {path}")
 
 
 def unset_dataset_settings(dataset: DictConfig) -> str | None:
