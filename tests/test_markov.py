@@ -95,6 +95,31 @@ def test_periodic_chain_needs_damping():
     assert float(markov.lambda2(markov.damp(a, 0.9), method="dense")) == pytest.approx(0.9, abs=1e-12)
 
 
+def test_exact_stationary_batches_on_several_threads():
+    """A batch of chains at the size where torch's batched CPU solve fails on two threads
+    (MKL's DLASWP error, pytorch/pytorch#142815): every chain's exact stationary
+    distribution equals the float64 reference, damped and undamped, and a reducible chain
+    in the batch is refused."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.softmax(4 * torch.randn(2, 3, 151, 151, generator=g, dtype=torch.float64), -1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for alpha in (1.0, 0.85):
+            pi = markov.exact_stationary(a, alpha=alpha)
+            assert pi.shape == (2, 3, 151) and pi.dtype == torch.float64
+            for i in range(2):
+                for h in range(3):
+                    ref = stationary_reference(a[i, h].numpy(), alpha)
+                    np.testing.assert_allclose(pi[i, h].numpy(), ref, rtol=1e-9, atol=1e-14)
+        stuck = a.clone()
+        stuck[1, 2] = torch.eye(151, dtype=torch.float64)  # every token its own class
+        with pytest.raises(ValueError, match="no unique stationary distribution"):
+            markov.exact_stationary(stuck)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_periodic_chain_krylov_path():
     n = 64  # a cycle with self-loops is aperiodic; a bipartite "ping-pong" of two halves is not
     a = torch.zeros(n, n, dtype=torch.float64)

@@ -21,7 +21,6 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -78,17 +77,16 @@ def validate_alpha(alpha: float) -> float:
 _ROW_ATOL = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 
-_SOLVE_CHUNK = 64  # matrices per LAPACK call (bounds the float64 copies held at once)
-
-
 def exact_stationary(chain: Tensor, alpha: float = 1.0) -> Tensor:
     """The exact stationary distribution of a (damped) chain: a dense float64 solve.
 
     ``alpha < 1``: the damped chain ``alpha P + (1 - alpha) 11^T / n`` (TokenRank),
     ``(I - alpha P^T) pi = (1 - alpha) 1 / n``. ``alpha = 1``: ``P`` itself,
     ``(P^T - I) pi = 0`` with its last equation replaced by ``sum(pi) = 1``; the chain must
-    then have a unique stationary distribution (irreducible). numpy's LAPACK ``gesv``, in
-    chunks of matrices (torch's batched solve printed DLASWP errors on some CPUs); slow-mixing
+    then have a unique stationary distribution (irreducible). ``torch.linalg.solve_ex`` on
+    the chain's device: one batched call on CUDA, one call per matrix on the CPU (torch's
+    batched CPU solve with MKL fails on two or more threads, "Parameter 6 was incorrect on
+    entry to DLASWP", pytorch/pytorch#142815, reproduced with torch 2.14.1). Slow-mixing
     chains get the same accuracy as fast ones, unlike the power iteration of
     :func:`tokenrank`, which stops on its L1 change.
 
@@ -107,33 +105,29 @@ def exact_stationary(chain: Tensor, alpha: float = 1.0) -> Tensor:
     a = validate_alpha(alpha)
     validate_stochastic(chain)
     batch, n = chain.shape[:-2], chain.shape[-1]
-    x = chain.detach().to(device="cpu", dtype=torch.float64).numpy().reshape(-1, n, n)
-    eye = np.eye(n)
+    p = chain.detach().to(torch.float64).reshape(-1, n, n)
+    eye = torch.eye(n, dtype=torch.float64, device=p.device)
     if a < 1.0:
-        rhs = np.full((n, 1), (1.0 - a) / n)
+        lhs = eye - a * p.transpose(1, 2)
+        rhs = torch.full((n, 1), (1.0 - a) / n, dtype=torch.float64, device=p.device)
     else:
-        rhs = np.zeros((n, 1))
+        lhs = p.transpose(1, 2) - eye
+        lhs[:, -1, :] = 1.0  # the normalisation replaces the last balance equation
+        rhs = torch.zeros((n, 1), dtype=torch.float64, device=p.device)
         rhs[-1] = 1.0
-
-    def solve(c: np.ndarray) -> np.ndarray:
-        if a < 1.0:
-            lhs = eye - a * c.transpose(0, 2, 1)
-        else:
-            lhs = c.transpose(0, 2, 1) - eye
-            lhs[:, -1, :] = 1.0  # the normalisation replaces the last balance equation
-        return np.linalg.solve(lhs, np.broadcast_to(rhs, (c.shape[0], n, 1)))[..., 0]
-
-    try:
-        pi = np.concatenate([solve(x[i:i + _SOLVE_CHUNK])
-                             for i in range(0, x.shape[0], _SOLVE_CHUNK)])
-    except np.linalg.LinAlgError as e:
+    if p.is_cuda:
+        pi, info = torch.linalg.solve_ex(lhs, rhs.expand(p.shape[0], n, 1).contiguous())
+    else:
+        solved = [torch.linalg.solve_ex(m, rhs) for m in lhs]
+        pi = torch.stack([x for x, _ in solved])
+        info = torch.stack([i for _, i in solved])
+    if bool((info != 0).any()):
         raise ValueError(
             "the chain has no unique stationary distribution (reducible): damp it first"
             " (alpha < 1)"
-        ) from e
-    pi = np.clip(pi, 0.0, None)
-    pi = pi / pi.sum(-1, keepdims=True)
-    return torch.from_numpy(pi.reshape(*batch, n)).to(chain.device)
+        )
+    pi = pi[..., 0].clamp_min(0.0)
+    return (pi / pi.sum(-1, keepdim=True)).reshape(*batch, n)
 
 
 def validate_stochastic(
