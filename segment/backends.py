@@ -1,4 +1,5 @@
-"""Library back-ends of the math core: connected components, k-means, the CPU thread pool.
+"""Library back-ends of the math core: connected components, the cuts' eigenvector, k-means,
+the CPU thread pool.
 
 ``segment/core`` is torch, numpy and the standard library only (``tests/test_layout.py``
 checks it). The steps that run faster through another library live here, each chosen
@@ -11,6 +12,13 @@ equality against the other (``tests/test_regions.py``, ``tests/test_clusters.py`
   union-find, batched in torch, specks absorbed by max-pool growth:
   :func:`segment.core.regions.absorb_small`; the CUDA default). Both number the components
   alike: by label value, then first pixel in raster order.
+- **the second eigenvector of a cut** (:func:`second_eigenvectors`, for
+  :func:`segment.core.cuts.recursive_ncut`): ``"scipy"`` (LAPACK's ``ssyevr`` asked for
+  that one eigenvector, matrix by matrix, with the BLAS thread pool held to one thread
+  during the call: idle OpenBLAS threads otherwise spin and starve torch's kernels after
+  it; the CPU default) or ``"torch"`` (one batched ``torch.linalg.eigh`` of the whole
+  spectrum on the device; the default elsewhere). ``python -m segment.eval.bench regions
+  --eigen torch scipy`` measures both in the same run.
 - **k-means** (:func:`kmeans_labels`): scikit-learn's ``KMeans``, on the CPU in float64.
 - **the thread pool** (:func:`map_images`): the images of a batch side by side on torch's
   intra-op thread count (one pool per process and thread count: none crosses a fork).
@@ -32,16 +40,62 @@ from segment.core.regions import absorb_small, number_components, relabel
 
 __all__ = [
     "ComponentsBackend",
+    "EigenBackend",
     "argmax_regions",
     "components",
     "components_backend",
     "connected_regions",
+    "eigen_backend",
     "kmeans_labels",
     "map_images",
+    "second_eigenvectors",
 ]
 
 ComponentsBackend = Literal["skimage", "kornia"]
 _BACKENDS = ("skimage", "kornia")
+
+
+EigenBackend = Literal["scipy", "torch"]
+_EIGEN = ("scipy", "torch")
+_BLAS: list = []  # the threadpoolctl controller, made once scipy's BLAS is loaded
+
+
+def eigen_backend(device: torch.device | str) -> EigenBackend:
+    """The eigensolver of a device: SciPy's partial ``syevr`` on the CPU, torch elsewhere."""
+    return "scipy" if torch.device(device).type == "cpu" else "torch"
+
+
+def second_eigenvectors(sym: Tensor, backend: EigenBackend | None = None) -> Tensor:
+    """The eigenvector of the second largest eigenvalue of each symmetric matrix.
+
+    Args:
+        sym: ``(R, m, m)`` symmetric float32 or float64, ``m >= 2``.
+        backend: ``"scipy"`` (only that eigenvector, by LAPACK's MRRR ``syevr``, one matrix
+            after another on one BLAS thread) or ``"torch"`` (the whole spectrum, batched);
+            ``None`` = :func:`eigen_backend` of ``sym.device``. They agree up to the sign
+            and rounding (``tests/test_cuts.py``).
+
+    Returns:
+        ``(R, m)`` unit vectors (sign arbitrary) on ``sym.device``, ``sym``'s dtype.
+    """
+    backend = eigen_backend(sym.device) if backend is None else backend
+    if backend not in _EIGEN:
+        raise ValueError(f"unknown eigensolver backend {backend!r}; one of {_EIGEN}")
+    if sym.dim() != 3 or sym.shape[-1] != sym.shape[-2] or sym.shape[-1] < 2:
+        raise ValueError(f"sym must be (R, m, m) with m >= 2, got {tuple(sym.shape)}")
+    if backend == "torch":
+        return torch.linalg.eigh(sym)[1][..., -2]
+    import scipy.linalg
+    from threadpoolctl import ThreadpoolController
+
+    if not _BLAS:
+        _BLAS.append(ThreadpoolController())
+    m = sym.shape[-1]
+    mats = sym.detach().cpu().numpy()
+    with _BLAS[0].limit(limits=1, user_api="blas"):
+        vecs = [scipy.linalg.eigh(a, subset_by_index=[m - 2, m - 2], driver="evr",
+                                 check_finite=False)[1][:, 0] for a in mats]
+    return torch.from_numpy(np.stack(vecs)).to(device=sym.device, dtype=sym.dtype)
 
 
 def components_backend(device: torch.device | str) -> ComponentsBackend:

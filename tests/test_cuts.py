@@ -246,14 +246,13 @@ def test_cuts_end_to_end_write_the_escape_of_every_region(tmp_path):
     on the tiny random ViT: the same partition, its escape probabilities in [0, 1]."""
     import json
 
+    import timm
     from PIL import Image
+    from safetensors.torch import save_file
     from test_pipeline import _img, compose_cfg
 
     import segment
     from segment.run.pipeline import run_segment
-
-    import timm
-    from safetensors.torch import save_file
 
     torch.manual_seed(0)
     m = timm.create_model("vit_small_patch14_dinov2", pretrained=False, num_classes=0,
@@ -343,3 +342,47 @@ def test_level_batches_give_the_partition_of_one_region_at_a_time():
     b = cuts.recursive_ncut(w, 0.3, bucket=64)
     assert a.counts.tolist() == b.counts.tolist() == [4, 5]
     assert torch.equal(a.labels, b.labels)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scipy_second_eigenvector_equals_torch_eigh_and_float64(dtype):
+    # segment.backends.second_eigenvectors: SciPy's partial syevr (the CPU default) against
+    # torch's full eigh and the float64 reference, up to the sign; padded chains as
+    # best_cuts builds them (eigenvalue -2 on the padding) included
+    from segment import backends
+
+    g = torch.Generator().manual_seed(7)
+    a = torch.rand(3, 40, 40, generator=g, dtype=torch.float64)
+    w = a @ a.transpose(1, 2)
+    s = w.sum(-1).rsqrt()
+    sym = s[:, :, None] * w * s[:, None, :]
+    sym[2, 30:, :] = 0
+    sym[2, :, 30:] = 0
+    sym[2].diagonal()[30:] = -2.0
+    ref = torch.linalg.eigh(sym)[1][..., -2]
+    for backend in ("scipy", "torch"):
+        got = backends.second_eigenvectors(sym.to(dtype), backend)
+        assert got.dtype == dtype and got.shape == (3, 40)
+        sign = torch.sign((got.double() * ref).sum(-1, keepdim=True))
+        tol = 1e-4 if dtype == torch.float32 else 1e-10
+        assert torch.allclose(got.double() * sign, ref, atol=tol), backend
+        assert float(got[2, 30:].abs().max()) < tol  # the padding stays out
+    assert backends.eigen_backend("cpu") == "scipy" and backends.eigen_backend("cuda") == "torch"
+    with pytest.raises(ValueError, match="unknown eigensolver backend 'lapack'"):
+        backends.second_eigenvectors(sym, "lapack")
+    with pytest.raises(ValueError, match=r"\(R, m, m\)"):
+        backends.second_eigenvectors(sym[0], "scipy")
+
+
+def test_recursive_ncut_same_partition_with_either_eigensolver():
+    from functools import partial
+
+    from segment import backends
+
+    w = torch.cat([planted_affinity(4, 5, 0.05, noise=0.02, seed=4),
+                   planted_affinity(5, 4, 0.08, noise=0.02, seed=5)])
+    parts = [cuts.recursive_ncut(w, 0.3, eigvec=partial(backends.second_eigenvectors, backend=b))
+             for b in ("scipy", "torch")]
+    assert parts[0].counts.tolist() == parts[1].counts.tolist() == [4, 5]
+    assert torch.equal(parts[0].labels, parts[1].labels)
+    assert torch.equal(parts[0].labels, cuts.recursive_ncut(w, 0.3).labels)

@@ -3,7 +3,7 @@ same run; never timed tests).
 
     python -m segment.eval.bench markov    [--sizes 257 1024 4096] [--device cpu|cuda] [--weights PATH]
     python -m segment.eval.bench markov --accuracy [--images-224 10] [--images-448 2] [--root DIR]
-    python -m segment.eval.bench regions   [--sizes 224 448] [--batch 4] [--repeat 5] [--weights PATH] [method overrides]
+    python -m segment.eval.bench regions   [--sizes 224 448] [--batch 4] [--repeat 5] [--weights PATH] [--eigen torch scipy] [method overrides]
     python -m segment.eval.bench pipeline  ...   (segment.eval.bench.pipeline)
     python -m segment.eval.bench flux      ...   (segment.eval.bench.flux)
     python -m segment.eval.bench eval      ...   (segment.eval.bench.evaluator)
@@ -18,7 +18,8 @@ float64 ``eigvals`` over every head of every layer of several ecssd-dev images (
 224 px and 2 at 448 px by default: 864 heads), with the range of ``|lambda_2|``.
 ``regions``: the seed-and-grow stage per image against the backbone forward of the same
 batch, in ``--repeat`` interleaved rounds (medians; the ratio is the median of the rounds'
-ratios).
+ratios); ``--eigen torch scipy`` times the default's cuts with each eigensolver
+(:func:`segment.backends.second_eigenvectors`) in the same rounds.
 ``diagnose``: ``segment-diagnose``'s work per image (attention capture of every layer and
 head, then every measure of :mod:`segment.core.diagnostics`) against the bare forward of
 the same image, with the dense spectra, the exact TokenRank and the stable rank timed alone.

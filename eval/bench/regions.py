@@ -1,5 +1,5 @@
-"""``python -m segment.eval.bench regions``: the seed-and-grow stage against the forward of the same batch
-(see the package docstring)."""
+"""``python -m segment.eval.bench regions``: the region stage against the forward of the same batch
+(see the package docstring); ``--eigen torch scipy``: the cuts' eigensolvers in the same rounds."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ def bench_regions(argv: Sequence[str]) -> None:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--weights", default=None)
+    p.add_argument("--eigen", nargs="+", choices=["torch", "scipy"], default=None,
+                   help="the cuts' eigensolvers to time, each in every round (default: the"
+                        " device's, segment.backends.eigen_backend)")
     p.add_argument("overrides", nargs="*", help="method overrides, e.g. method.refine_steps=0"
                    " (anywhere on the line)")
     # KEY=VALUE words are overrides wherever they stand (after --sizes too)
@@ -34,12 +37,20 @@ def bench_regions(argv: Sequence[str]) -> None:
     with initialize_config_module(version_base="1.3", config_module="segment.configs"):
         cfg = compose("segment", overrides=overrides + list(args.overrides))
     method = instantiate(cfg.method)
+    if args.eigen and not hasattr(method, "eigen_backend"):
+        raise SystemExit(f"--eigen: method {type(method).__name__} cuts no chain")
+    if hasattr(method, "eigen_backend"):
+        from segment.backends import eigen_backend
+
+        eigens = args.eigen or [eigen_backend(device)]
+    else:
+        eigens = ["-"]
     print(f"# region growing vs backbone forward: method {type(method).__name__}, device "
           f"{device}, {torch.get_num_threads()} threads, batch {args.batch}, "
           f"weights {weights or 'random init'}")
-    print("| px | tokens | forward ms/img | extract ms/img | regions ms/img | regions / forward |"
-          " of which pixel refinement ms/img |")
-    print("|---|---|---|---|---|---|---|")
+    print("| px | tokens | eigensolver | forward ms/img | extract ms/img | regions ms/img |"
+          " regions / forward | of which pixel refinement ms/img |")
+    print("|---|---|---|---|---|---|---|---|")
     img = example_image()
     for size in args.sizes:
         model = TimmViT(name="dinov2_vits14", arch="vit_small_patch14_dinov2.lvd142m",
@@ -56,26 +67,41 @@ def bench_regions(argv: Sequence[str]) -> None:
             finally:
                 method.refine_steps = refine
 
+        def timed(eigen: str) -> tuple[float, float | None]:
+            if eigen != "-":
+                method.eigen_backend = eigen
+            return (best_time(lambda: method(rec), device),
+                    best_time(no_refine, device) if refine else None)
+
         with torch.no_grad():
             rec = model.extract(x, cap)
-            method(rec)  # warm-up
-            # interleaved rounds (forward, extract, regions, regions without refinement): a
-            # machine that slows down or speeds up mid-run moves all four alike, and the
-            # ratio is the median of the rounds' ratios
+            for eigen in eigens:  # warm-up
+                timed(eigen)
+            # interleaved rounds (forward, extract, then regions with and without refinement
+            # per eigensolver): a machine that slows down or speeds up mid-run moves them
+            # all alike, and the ratios are medians of the rounds' ratios
             rounds = [
                 (best_time(lambda: model.forward_plain(x), device),
                  best_time(lambda: model.extract(x, cap), device),
-                 best_time(lambda: method(rec), device),
-                 best_time(no_refine, device) if refine else None)
+                 [timed(eigen) for eigen in eigens])
                 for _ in range(args.repeat)
             ]
-        t_fwd, t_ext, t_reg = (statistics.median(r[j] for r in rounds) for j in range(3))
-        ratio = statistics.median(r[2] / r[0] for r in rounds)
-        t_noref = statistics.median(r[3] for r in rounds) if refine else t_reg
+        t_fwd, t_ext = (statistics.median(r[j] for r in rounds) for j in range(2))
         b = args.batch
-        print(f"| {size} | {rec.layout.num_tokens} | {1e3 * t_fwd / b:.1f} | {1e3 * t_ext / b:.1f} | "
-              f"{1e3 * t_reg / b:.1f} | {ratio:.2f} | {1e3 * (t_reg - t_noref) / b:.1f} |",
-              flush=True)
+        for e, eigen in enumerate(eigens):
+            t_reg = statistics.median(r[2][e][0] for r in rounds)
+            ratio = statistics.median(r[2][e][0] / r[0] for r in rounds)
+            t_noref = statistics.median(r[2][e][1] for r in rounds) if refine else t_reg
+            print(f"| {size} | {rec.layout.num_tokens} | {eigen} | {1e3 * t_fwd / b:.1f} | "
+                  f"{1e3 * t_ext / b:.1f} | {1e3 * t_reg / b:.1f} | {ratio:.2f} | "
+                  f"{1e3 * (t_reg - t_noref) / b:.1f} |", flush=True)
+        if len(eigens) > 1:
+            for e, eigen in enumerate(eigens[1:], 1):
+                rel = statistics.median(r[2][e][0] / r[2][0][0] for r in rounds)
+                print(f"#   {size} px: region stage with {eigen} / with {eigens[0]}: {rel:.2f}"
+                      f" (median of the rounds' ratios)", flush=True)
+    if hasattr(method, "eigen_backend"):
+        method.eigen_backend = None
 
 
 if __name__ == "__main__":

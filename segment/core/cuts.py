@@ -25,6 +25,7 @@ Pure functions over tensors (torch and numpy only).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ __all__ = [
     "key_affinity",
     "recursive_ncut",
     "reversibilise",
+    "second_eigenvectors",
 ]
 
 
@@ -111,14 +113,21 @@ def escape_probabilities(affinity: Tensor, labels: Tensor, num: int | None = Non
     return ((vol - stay) / vol).to(torch.float32)
 
 
-def best_cuts(affinity: Tensor, size: Tensor) -> tuple[Tensor, Tensor]:
+def second_eigenvectors(sym: Tensor) -> Tensor:
+    """``(R, m)`` the eigenvector of the second largest eigenvalue of each symmetric
+    ``(R, m, m)`` matrix (unit norm, sign arbitrary): one batched ``torch.linalg.eigh``."""
+    return torch.linalg.eigh(sym)[1][..., -2]
+
+
+def best_cuts(affinity: Tensor, size: Tensor,
+              eigvec: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """The best two-way normalized cut of each of a batch of chains along its second eigenvector.
 
     The relaxed NCut is solved by the second eigenvector of ``P = D^-1 W``, i.e.
     ``D^-1/2 u`` with ``u`` the second largest eigenvector of the symmetric
-    ``D^-1/2 W D^-1/2`` (one batched ``torch.linalg.eigh`` in float32: the vector only
-    orders the tokens); the split is the threshold of that vector (a *sweep*: every prefix
-    of the sorted tokens) with the smallest exact NCut (float64).
+    ``D^-1/2 W D^-1/2`` (in float32: the vector only orders the tokens; by ``eigvec``,
+    :func:`second_eigenvectors` unless given); the split is the threshold of that vector
+    (a *sweep*: every prefix of the sorted tokens) with the smallest exact NCut (float64).
 
     Chains of different sizes share the batch padded: chain ``r`` occupies the leading
     ``size[r]`` rows and columns of ``affinity[r]`` (the rest is ignored). A padded token is
@@ -129,6 +138,9 @@ def best_cuts(affinity: Tensor, size: Tensor) -> tuple[Tensor, Tensor]:
     Args:
         affinity: ``(R, m, m)`` symmetric, non-negative, every real row sum > 0.
         size: ``(R,)`` the number of real tokens of each chain, ``2 <= size[r] <= m``.
+        eigvec: ``(R, m, m) float32 -> (R, m)`` the second largest eigenvector of each
+            symmetric matrix (:func:`segment.backends.second_eigenvectors` chooses a library
+            by device); ``None``: :func:`second_eigenvectors`.
 
     Returns:
         ``(ncut, side)``: ``(R,)`` float64 NCut of each best split (``esc(A) + esc(B)``, in
@@ -146,8 +158,9 @@ def best_cuts(affinity: Tensor, size: Tensor) -> tuple[Tensor, Tensor]:
     s = torch.where(real, d.clamp_min(1e-300).rsqrt(), 0.0)
     sym = (s[:, :, None] * w * s[:, None, :]).to(torch.float32)
     sym.diagonal(dim1=1, dim2=2).masked_fill_(~real, -2.0)  # padding: eigenvalue -2
-    _, vecs = torch.linalg.eigh(sym)  # ascending: the last is sqrt(d) / |sqrt(d)|
-    v = torch.where(real, vecs[..., -2].to(torch.float64) * s, float("inf"))
+    # the largest eigenvector is sqrt(d) / |sqrt(d)|; the second orders the tokens
+    u = (second_eigenvectors if eigvec is None else eigvec)(sym)
+    v = torch.where(real, u.to(device=dev, dtype=torch.float64) * s, float("inf"))
     order = torch.argsort(v, dim=1)  # padding last
     rows = torch.arange(r, device=dev)[:, None, None]
     wp = w[rows, order[:, :, None], order[:, None, :]]
@@ -190,7 +203,8 @@ class Partition:
 
 
 def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None = None,
-                   bucket: int = 64) -> Partition:
+                   bucket: int = 64,
+                   eigvec: Callable[[Tensor], Tensor] | None = None) -> Partition:
     """Cut each image's chain in two while the best cut is crossed with probability < ``tau``.
 
     A region ``R`` is split into the two sides of :func:`best_cuts` of its own chain (``W``
@@ -207,6 +221,7 @@ def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None =
         max_regions: per image, stop splitting at this many regions, the largest regions
             cut first (``None``: no limit).
         bucket: the size granularity of the padded batches (compute, not results).
+        eigvec: the eigensolver of :func:`best_cuts` (``None``: batched ``torch.linalg.eigh``).
 
     Returns:
         :class:`Partition` (labels on ``affinity.device``; regions numbered in the reading
@@ -251,7 +266,7 @@ def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None =
             for g, (i, idx) in enumerate(group):
                 pad[g, : len(idx), : len(idx)] = affinity[i][idx[:, None], idx]
             sizes = torch.tensor([len(idx) for _, idx in group], device=dev)
-            ncut, side = best_cuts(pad, sizes)
+            ncut, side = best_cuts(pad, sizes, eigvec)
             keep = (ncut < float(tau)).tolist()  # the level's host sync
             for g, (i, idx) in enumerate(group):
                 if keep[g]:

@@ -51,6 +51,9 @@ class EscapeCuts(Method):
 
     name: str = "cuts"
     gives_labels: ClassVar[bool] = True
+    # the cuts' eigensolver (segment.backends.second_eigenvectors); None: by the device.
+    # Not a knob (both give the same vectors up to rounding): the benchmark sets it
+    eigen_backend: ClassVar[str | None] = None
     _averages_layers: ClassVar[bool] = False  # refused below
     escape: float = 0.5
     key_temperature: float = 0.05
@@ -95,9 +98,13 @@ class EscapeCuts(Method):
         return ws[0] if len(ws) == 1 else torch.stack(ws).mean(0)
 
     def __call__(self, record: AttentionRecord) -> MethodOutput:
+        from functools import partial
+
+        from segment import backends
         from segment.core import cuts
 
-        part = cuts.recursive_ncut(self.cut_affinity(record), float(self.escape))
+        eigvec = partial(backends.second_eigenvectors, backend=self.eigen_backend)
+        part = cuts.recursive_ncut(self.cut_affinity(record), float(self.escape), eigvec=eigvec)
         b = part.labels.shape[0]
         h, w = record.layout.grid
         grid_prob = F.one_hot(part.labels, int(part.counts.max())).to(torch.float32)
