@@ -63,6 +63,21 @@ def ecssd_dev(shared_dir: Path) -> Path:
     return d
 
 
+def popen_interruptible(cmd: list[str], **kw) -> subprocess.Popen:
+    """``subprocess.Popen`` whose child takes Ctrl-C even where this process ignores SIGINT
+    (a suite started in the background by a non-interactive shell: an ignored signal stays
+    ignored across exec, and Python then never raises KeyboardInterrupt). A handled signal
+    is reset to the default on exec, so SIGINT is handled while the child starts."""
+    try:
+        old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    except ValueError:  # not the main thread: leave the disposition alone
+        return subprocess.Popen(cmd, **kw)
+    try:
+        return subprocess.Popen(cmd, **kw)
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def interrupt_when(proc: subprocess.Popen, ready: Callable[[], bool], timeout: float = 240,
                    poll: float = 0.05) -> str:
     """Wait until ``ready()`` (the run has made progress), then Ctrl-C ``proc``; returns its

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import interrupt_when, segment_in_process
+from conftest import interrupt_when, popen_interruptible, segment_in_process
 
 SEGMENT = Path(sys.executable).with_name("segment")
 TINY = ["model=vit_tiny_random", "device=cpu", "render.fsync=false"]
@@ -75,7 +75,7 @@ def test_cli_ctrl_c_then_resume(tmp_path):
     for i in range(n):
         _img(56, 56, i).save(src / f"{i:03d}.png")
     cmd = [str(SEGMENT), f"input={src}", f"output={out}", "batch_size=4", "progress=false", *TINY]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    proc = popen_interruptible(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
     log = interrupt_when(proc, lambda: (out / "records").is_dir() and any((out / "records").iterdir()),
                          poll=0.02)
     assert proc.returncode == 130, log

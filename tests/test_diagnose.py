@@ -172,13 +172,13 @@ def test_command_exit_1_when_no_image_can_be_read(tmp_path):
 
 
 def test_command_ctrl_c_exits_130_and_writes_nothing(tmp_path):
-    from conftest import interrupt_when
+    from conftest import interrupt_when, popen_interruptible
 
     src, out = tmp_path / "in", tmp_path / "out"
     src.mkdir()
     for i in range(60):
         _img(56, 56, i).save(src / f"{i:03d}.png")
-    proc = subprocess.Popen([str(DIAGNOSE), f"input={src}", f"output={out}", *TINY],
+    proc = popen_interruptible([str(DIAGNOSE), f"input={src}", f"output={out}", *TINY],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
     log = interrupt_when(proc, lambda: (out / "diagnose_cli.log").is_file(), poll=0.02)
     assert proc.returncode == 130, log

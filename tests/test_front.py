@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import interrupt_when
+from conftest import interrupt_when, popen_interruptible
 from PIL import Image
 
 from segment.run.front import config_names, help_text, suggest
@@ -274,7 +274,7 @@ def test_segment_eval_ctrl_c_exits_130(tmp_path):
     data = _folder(tmp_path / "data", 150, masks=True)
     out = tmp_path / "out"
     e = dict(os.environ, OMP_NUM_THREADS="2")
-    proc = subprocess.Popen([str(BIN / "segment-eval"), *TINY, f"dataset.root={data}", "dataset.size=[48,56]",
+    proc = popen_interruptible([str(BIN / "segment-eval"), *TINY, f"dataset.root={data}", "dataset.size=[48,56]",
                              "model.image_size=56", "batch_size=2", "panels=0", f"output={out}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e, cwd=tmp_path)
     log = interrupt_when(proc, lambda: (out / "cache").is_dir() and any((out / "cache").glob("*/*.json")))
