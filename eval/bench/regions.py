@@ -15,6 +15,8 @@ from segment.eval.bench.common import best_time, example_image, find_weights
 def bench_regions(argv: Sequence[str]) -> None:
     from hydra import compose, initialize_config_module
     from hydra.utils import instantiate
+    from segment.backends import eigen_backend
+    from segment.methods.cuts import EscapeCuts
     from segment.models.vit import TimmViT
 
     p = argparse.ArgumentParser(prog="python -m segment.eval.bench regions")
@@ -37,14 +39,10 @@ def bench_regions(argv: Sequence[str]) -> None:
     with initialize_config_module(version_base="1.3", config_module="segment.configs"):
         cfg = compose("segment", overrides=overrides + list(args.overrides))
     method = instantiate(cfg.method)
-    if args.eigen and not hasattr(method, "eigen_backend"):
+    cuts = isinstance(method, EscapeCuts)
+    if args.eigen and not cuts:
         raise SystemExit(f"--eigen: method {type(method).__name__} cuts no chain")
-    if hasattr(method, "eigen_backend"):
-        from segment.backends import eigen_backend
-
-        eigens = args.eigen or [eigen_backend(device)]
-    else:
-        eigens = ["-"]
+    eigens = (args.eigen or [eigen_backend(device)]) if cuts else ["-"]
     print(f"# region growing vs backbone forward: method {type(method).__name__}, device "
           f"{device}, {torch.get_num_threads()} threads, batch {args.batch}, "
           f"weights {weights or 'random init'}")
@@ -104,7 +102,7 @@ def bench_regions(argv: Sequence[str]) -> None:
                 rel = statistics.median(r[2][e][0] / r[2][0][0] for r in rounds)
                 print(f"#   {size} px: region stage with {eigen} / with {eigens[0]}: {rel:.2f}"
                       f" (median of the rounds' ratios)", flush=True)
-    if hasattr(method, "eigen_backend"):
+    if cuts:
         method.eigen_backend = None
 
 
