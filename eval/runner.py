@@ -131,7 +131,7 @@ def instantiate_model(cfg: DictConfig, device: torch.device) -> Backbone:
     return model
 
 
-def _instantiate_dataset(cfg: DictConfig) -> Any:
+def instantiate_dataset(cfg: DictConfig) -> Any:
     from hydra.utils import instantiate
 
     from segment.run.front import unset_dataset_settings
@@ -244,7 +244,7 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
             raise ConfigError(f"{knob} must be an integer >= {low}, got {v!r}")
 
-    dataset = _instantiate_dataset(cfg)
+    dataset = instantiate_dataset(cfg)
     if mask_at != "image" and dataset.task != "binary":
         raise ConfigError(
             f"mask_at={mask_at} has no effect on {type(dataset).__name__} ({dataset.task}):"
@@ -255,7 +255,7 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
     for s in specs:
         s.method = instantiate_method(s)
         s.key = method_key(s)
-    names = _item_names(cfg, dataset)
+    names = item_names(cfg, dataset)
     indices = list(range(len(names)))
 
     cache = MetricCache(out_dir / "cache" / fingerprint(cfg, getattr(dataset, "selection_keys", ())),
@@ -287,7 +287,7 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
     return EXIT_OK
 
 
-def _item_names(cfg: DictConfig, dataset: SegmentationDataset) -> list[str]:
+def item_names(cfg: DictConfig, dataset: SegmentationDataset) -> list[str]:
     """The names of the items to score: the first ``limit`` of the data set (all without)."""
     n = len(dataset)
     limit = cfg.get("limit")
