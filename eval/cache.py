@@ -103,6 +103,12 @@ class MetricCache:
             tmp.write_text(json.dumps(data))
 
 
+def cache_dir(out_dir: Path, cfg: DictConfig, dataset: object) -> Path:
+    """``out_dir/cache/<fingerprint>``: where a run of ``cfg`` over ``dataset`` keeps its
+    per-image states (the data set's ``selection_keys`` left out of the fingerprint)."""
+    return out_dir / "cache" / fingerprint(cfg, getattr(dataset, "selection_keys", ()))
+
+
 def fingerprint(cfg: DictConfig, selection: Sequence[str] = ()) -> str:
     """What decides the per-image numbers besides the method: model, data set, post-processing,
     package version, :data:`CACHE_VERSION` and the source of the backbone, data set and

@@ -24,9 +24,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
-from segment.eval.metrics import BinaryState, MulticlassState, RegionState, State, bootstrap, total
+from segment.eval.metrics import State
 
 from segment.utils import EXIT_BAD_INPUT
 
@@ -35,17 +36,15 @@ class PairError(ValueError):
     """A run that cannot be read, or two runs that do not pair."""
 
 
-def run_states(run: Path, method: str | None = None
-               ) -> tuple[str, str, dict[str, State], tuple[str, ...], int]:
+def run_states(run: Path, method: str | None = None) -> tuple[str, dict[str, State], Any]:
     """One method's per-image states of a finished `segment-eval` run.
 
     Returns:
-        ``(task, label, {image name: state}, class names, number of classes)``.
+        ``(label, {image name: state} in the data set's order, the data set)``.
     """
-    from segment.eval.cache import MetricCache, fingerprint
+    from segment.eval.cache import MetricCache, cache_dir
     from segment.eval.runner import instantiate_dataset, item_names
     from segment.eval.specs import instantiate_method, method_key, resolve_methods
-    from segment.eval.tables import class_names_of
 
     path = run / "config.yaml"
     if not path.is_file():
@@ -65,7 +64,7 @@ def run_states(run: Path, method: str | None = None
     key = method_key(spec)
     dataset = instantiate_dataset(cfg)
     names = item_names(cfg, dataset)
-    folder = run / "cache" / fingerprint(cfg, getattr(dataset, "selection_keys", ()))
+    folder = cache_dir(run, cfg, dataset)
     if not folder.is_dir():
         raise PairError(f"{run}: no metric cache {folder.name} for this model and data set under this"
                         f" code; rerun segment-eval with output={run}")
@@ -79,38 +78,30 @@ def run_states(run: Path, method: str | None = None
         raise PairError(f"{run}: {len(names) - len(states)} of {len(names)} images have no cached"
                         f" {spec.label} result under this code (the cache is keyed by the code's"
                         f" source); rerun segment-eval with output={run} to score them")
-    classes = class_names_of(dataset) if dataset.task == "multiclass" else ()
-    return dataset.task, spec.label, states, classes, int(getattr(dataset, "num_classes", 0) or 0)
+    return spec.label, states, dataset
 
 
 def compare(run_a: Path, run_b: Path, method_a: str | None = None, method_b: str | None = None,
             reps: int = 1000, seed: int = 0):
     """The two-row table (:class:`segment.eval.tables.Results`): A, then B with its paired
     difference to A (``delta``) and both rows' 95% intervals."""
-    from segment.eval.tables import Results, add_intervals, table_row
+    from segment.eval.tables import class_names_of, results_table
 
-    task_a, label_a, a, classes, ncls = run_states(run_a, method_a)
-    task_b, label_b, b, _, _ = run_states(run_b, method_b or method_a)
-    if task_a != task_b:
-        raise PairError(f"the runs score different tasks: {run_a} {task_a}, {run_b} {task_b}")
+    label_a, a, data_a = run_states(run_a, method_a)
+    label_b, b, data_b = run_states(run_b, method_b or method_a)
+    if data_a.task != data_b.task:
+        raise PairError(f"the runs score different tasks: {run_a} {data_a.task}, {run_b} {data_b.task}")
     if sorted(a) != sorted(b):
         raise PairError(f"the runs scored different images: {len(set(a) - set(b))} only in {run_a},"
                         f" {len(set(b) - set(a))} only in {run_b}")
     if len(a) < 2:
         raise PairError("fewer than 2 images: no interval")
     names = list(a)  # A's data set order: A's own intervals are those of its run
-    empty = {"binary": BinaryState, "regions": RegionState,
-             "multiclass": lambda: MulticlassState.zero(ncls)}[task_a]
-    results = Results(task=task_a, class_names=classes)
-    labels = (f"A: {label_a} ({run_a.name})", f"B: {label_b} ({run_b.name})")
-    for label, states in zip(labels, (a, b)):
-        row = table_row(label, total((states[n] for n in names), empty()), classes)
-        row["images"] = len(names)
-        results.rows.append(row)
-    boot = bootstrap({"A": [a[n] for n in names], "B": [b[n] for n in names]},
-                     reps=int(reps), level=0.95, seed=int(seed))
-    add_intervals(results, boot, ["A", "B"])
-    return results
+    rows = [(f"A: {label_a} ({run_a.name})", [a[n] for n in names]),
+            (f"B: {label_b} ({run_b.name})", [b[n] for n in names])]
+    multiclass = data_a.task == "multiclass"
+    return results_table(data_a.task, rows, class_names_of(data_a) if multiclass else (),
+                         getattr(data_a, "num_classes", 0), reps=int(reps), seed=int(seed))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         results = compare(args.run_a, args.run_b, args.method, args.method_b, args.reps, args.seed)
-    except (PairError, ValueError) as e:
+    except ValueError as e:  # PairError, and a config or data set that cannot be read
         print(f"segment.eval.paired: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.out is not None:

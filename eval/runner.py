@@ -45,16 +45,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from segment.datasets.base import DataError, Sample, SegmentationDataset
 from segment.run import dist
-from segment.eval.cache import MetricCache, fingerprint
-from segment.eval.metrics import (
-    BinaryState,
-    MulticlassState,
-    RegionState,
-    State,
-    bootstrap,
-    state_from_dict,
-    total,
-)
+from segment.eval.cache import MetricCache, cache_dir
+from segment.eval.metrics import State, state_from_dict
 from segment.eval.panels import PanelRows, panel_tiles, write_sample_panel
 from segment.eval.scoring import (
     batch_originals,
@@ -71,7 +63,7 @@ from segment.eval.specs import (
     resolve_methods,
     union_capture,
 )
-from segment.eval.tables import Results, add_intervals, class_names_of, table_row
+from segment.eval.tables import Results, class_names_of, results_table
 
 from segment.core.record import AttentionRecord
 from segment.models.base import Backbone
@@ -258,8 +250,7 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
     names = item_names(cfg, dataset)
     indices = list(range(len(names)))
 
-    cache = MetricCache(out_dir / "cache" / fingerprint(cfg, getattr(dataset, "selection_keys", ())),
-                        enabled=bool(cfg.get("cache", True)))
+    cache = MetricCache(cache_dir(out_dir, cfg, dataset), enabled=bool(cfg.get("cache", True)))
     mine = dist.shard(indices, ctx)
     job = ScoreJob(cfg=cfg, ctx=ctx, dataset=dataset, specs=specs, cache=cache, out_dir=out_dir,
                    mask_at=mask_at, states={}, fallbacks={})
@@ -340,21 +331,14 @@ def _table(job: ScoreJob, gathered: Gathered, indices: Sequence[int], scored_now
         per_image.update(part_states)
         prompted.update(part_prompted)
     dataset, specs, timing = job.dataset, job.specs, job.timing
-    empty = {"binary": lambda: BinaryState(), "regions": lambda: RegionState(),
-             "multiclass": lambda: MulticlassState.zero(dataset.num_classes)}[dataset.task]
     names = class_names_of(dataset) if dataset.task == "multiclass" else ()
-    results = Results(task=dataset.task, class_names=names)
-    for s in specs:
-        acc = total((state_from_dict(per_image[i][s.key]) for i in indices), empty())
-        row = table_row(s.label, acc, names)
+    rows = [(s.label, [state_from_dict(per_image[i][s.key]) for i in indices]) for s in specs]
+    results = results_table(dataset.task, rows, names, getattr(dataset, "num_classes", 0),
+                            reps=reps, seed=int(job.cfg.get("seed") or 0))
+    for s, row in zip(specs, results.rows):  # the same images for every row: paired deltas
         scored = timing.images.get(s.key, 0)
         row["images_per_s"] = round(scored_now / elapsed, 4) if scored_now and scored else None
         row["method_ms_per_image"] = round(1e3 * timing.method_s[s.key] / scored, 3) if scored else None
-        results.rows.append(row)
-    if reps and len(indices) > 1:  # the same resampled images for every row: paired deltas
-        boot = bootstrap({s.key: [state_from_dict(per_image[i][s.key]) for i in indices] for s in specs},
-                         reps=reps, level=0.95, seed=int(job.cfg.get("seed") or 0))
-        add_intervals(results, boot, [s.key for s in specs])
     if any(prompted.get(i) is not None for i in indices):  # a text-conditioned backbone
         count = sum(bool(prompted.get(i)) for i in indices)
         for row in results.rows:

@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from segment.eval.metrics import Bootstrap, MulticlassState, State
+from segment.eval.metrics import (
+    BinaryState,
+    Bootstrap,
+    MulticlassState,
+    RegionState,
+    State,
+    bootstrap,
+    total,
+)
 
 from segment.utils import atomic_write_json, atomic_write_text
 
@@ -150,6 +158,31 @@ def add_intervals(results: Results, boot: Bootstrap, keys: Sequence[str]) -> Non
             lo, hi = boot.difference(key, ref, s)
             delta[s] = [round(row[s] - ref_row[s], digits), round(scale * lo, digits), round(scale * hi, digits)]
         row["delta"] = delta
+
+
+def empty_state(task: str, num_classes: int = 0) -> State:
+    """The state of no images (the start of a sum) for a task."""
+    if task == "multiclass":
+        return MulticlassState.zero(num_classes)
+    return {"binary": BinaryState, "regions": RegionState}[task]()
+
+
+def results_table(task: str, rows: Sequence[tuple[str, Sequence[State]]],
+                  class_names: Sequence[str] = (), num_classes: int = 0, reps: int = 1000,
+                  seed: int = 0) -> Results:
+    """The table of ``rows`` (label, per-image states; the same images in the same order in
+    every row): each row's summed scores and, with ``reps`` draws and more than one image,
+    95% bootstrap intervals over the same draws for every row and each row's paired
+    difference to the first (:func:`add_intervals`)."""
+    results = Results(task=task, class_names=tuple(class_names))
+    for label, states in rows:
+        results.rows.append(table_row(label, total(states, empty_state(task, num_classes)), class_names))
+    if reps and rows and len(rows[0][1]) > 1:
+        keys = [str(i) for i in range(len(rows))]
+        boot = bootstrap({k: list(states) for k, (_, states) in zip(keys, rows)},
+                         reps=reps, level=0.95, seed=seed)
+        add_intervals(results, boot, keys)
+    return results
 
 
 def table_row(label: str, state: State, class_names: Sequence[str] = ()) -> dict[str, Any]:

@@ -26,6 +26,7 @@ equality against the other (``tests/test_regions.py``, ``tests/test_clusters.py`
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from segment.core import cuts
 from segment.core.regions import absorb_small, number_components, relabel
 
 __all__ = [
@@ -57,7 +59,16 @@ _BACKENDS = ("skimage", "kornia")
 
 EigenBackend = Literal["scipy", "torch"]
 _EIGEN = ("scipy", "torch")
-_BLAS: list = []  # the threadpoolctl controller, made once scipy's BLAS is loaded
+
+
+@functools.cache
+def _blas_threads():
+    """threadpoolctl's controller of the loaded BLAS libraries (made once, after SciPy's
+    BLAS is loaded, so that it sees it)."""
+    import scipy.linalg  # noqa: F401
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController()
 
 
 def eigen_backend(device: torch.device | str) -> EigenBackend:
@@ -84,15 +95,12 @@ def second_eigenvectors(sym: Tensor, backend: EigenBackend | None = None) -> Ten
     if sym.dim() != 3 or sym.shape[-1] != sym.shape[-2] or sym.shape[-1] < 2:
         raise ValueError(f"sym must be (R, m, m) with m >= 2, got {tuple(sym.shape)}")
     if backend == "torch":
-        return torch.linalg.eigh(sym)[1][..., -2]
+        return cuts.second_eigenvectors(sym)
     import scipy.linalg
-    from threadpoolctl import ThreadpoolController
 
-    if not _BLAS:
-        _BLAS.append(ThreadpoolController())
     m = sym.shape[-1]
     mats = sym.detach().cpu().numpy()
-    with _BLAS[0].limit(limits=1, user_api="blas"):
+    with _blas_threads().limit(limits=1, user_api="blas"):
         vecs = [scipy.linalg.eigh(a, subset_by_index=[m - 2, m - 2], driver="evr",
                                  check_finite=False)[1][:, 0] for a in mats]
     return torch.from_numpy(np.stack(vecs)).to(device=sym.device, dtype=sym.dtype)

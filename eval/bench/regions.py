@@ -15,9 +15,10 @@ from segment.eval.bench.common import best_time, example_image, find_weights
 def bench_regions(argv: Sequence[str]) -> None:
     from hydra import compose, initialize_config_module
     from hydra.utils import instantiate
+    from segment.models.vit import TimmViT
+
     from segment.backends import eigen_backend
     from segment.methods.cuts import EscapeCuts
-    from segment.models.vit import TimmViT
 
     p = argparse.ArgumentParser(prog="python -m segment.eval.bench regions")
     p.add_argument("--sizes", type=int, nargs="+", default=[224, 448])
@@ -102,8 +103,6 @@ def bench_regions(argv: Sequence[str]) -> None:
                 rel = statistics.median(r[2][e][0] / r[2][0][0] for r in rounds)
                 print(f"#   {size} px: region stage with {eigen} / with {eigens[0]}: {rel:.2f}"
                       f" (median of the rounds' ratios)", flush=True)
-    if cuts:
-        method.eigen_backend = None
 
 
 if __name__ == "__main__":
