@@ -38,9 +38,12 @@ class Backbone(abc.ABC):
         num_classes: classes of the model's classifier head (token masking's top-1
             agreement); 0 for a backbone without a head.
         provides_pixels: whether :meth:`extract`'s records carry the input image
-            (``AttentionRecord.pixels``, RGB in ``[0, 1]``) that pixel-level method knobs read
-            (``regions``' ``refine_steps``); methods that need it are refused on a backbone
+            (``AttentionRecord.pixels``, RGB in ``[0, 1]`` at the record's ``image_size``)
+            that pixel-level method knobs read (``regions``' and ``cuts``' ``refine_steps``);
+            every bundled backbone does; methods that need it are refused on a backbone
             without it, before the first batch (``segment.run.api.check_method``).
+        kind: ``"vit"`` (an image transformer) or ``"dit"`` (a diffusion transformer, text
+            and image tokens): the kinds a method runs on are its ``Method.backbones``.
     """
 
     name: str
@@ -50,6 +53,7 @@ class Backbone(abc.ABC):
     patch_size: tuple[int, int]
     text_conditioned: ClassVar[bool] = False
     provides_pixels: ClassVar[bool] = False
+    kind: ClassVar[str] = "vit"
     default_class: str | None = None
     num_classes: int = 0
 

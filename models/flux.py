@@ -624,7 +624,8 @@ class FluxBackbone(Backbone):
     """
 
     text_conditioned = True  # prompted with a class word per image (default_class without one)
-    provides_pixels = False  # records carry no RGB input: pixel-level method knobs are refused
+    provides_pixels = True  # records carry the preprocessed input as RGB in [0, 1]
+    kind = "dit"
 
     def __init__(
         self,
@@ -960,6 +961,9 @@ class FluxBackbone(Backbone):
         assert total is not None
         if len(self.seeds) > 1:
             total = _scale_record(total, 1.0 / len(self.seeds))
+        # the image the methods refine on: preprocess's input at image_size (e.g. 512 px), not
+        # the VAE's size; preprocess scaled it to [-1, 1]
+        total.pixels = pixels.to(self.device, torch.float32).add(1.0).mul_(0.5).clamp_(0.0, 1.0)
         total.query = text.query
         total.extras["query_mask"] = text.query_mask.to(self.device)
         if scores:

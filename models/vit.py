@@ -237,6 +237,7 @@ class TimmViT(Backbone):
 
     text_conditioned = False  # prompts are ignored
     provides_pixels = True  # records carry the input as RGB in [0, 1] (AttentionRecord.pixels)
+    kind = "vit"
 
     def __init__(
         self,

@@ -624,23 +624,40 @@ def test_segment_end_to_end_flux_tiny(tmp_path):
 
 
 def test_the_backbone_contract_of_flux_and_vit(backbone):
-    """What callers read of a backbone, declared by models/base.py's Backbone: FLUX is
-    text-conditioned (a default class word) and its records carry no pixels; a ViT is not
-    text-conditioned and its records carry the input image."""
+    """What callers read of a backbone, declared by models/base.py's Backbone: FLUX is a
+    text-conditioned DiT (a default class word); a ViT is not text-conditioned; the records of
+    both carry the input image (RGB in [0, 1] at the record's image_size)."""
     from hydra.utils import instantiate
     from segment.models.base import Backbone
 
     assert isinstance(backbone, Backbone)
-    assert backbone.text_conditioned and not backbone.provides_pixels
+    assert backbone.text_conditioned and backbone.provides_pixels and backbone.kind == "dit"
     assert backbone.default_class == "object" and backbone.name == "flux_tiny"
     assert backbone.patch_size == (8, 8)  # 64 px over 8 x 8 latent tokens
-    rec = backbone.extract(backbone.collate([_photo(64, 64)]), Capture(layers=(0,)))
-    assert rec.pixels is None  # what provides_pixels says
     vit = instantiate(_compose("segment", ["model=vit_tiny_random", "device=cpu"]).model)
     assert isinstance(vit, Backbone) and vit.provides_pixels and not vit.text_conditioned
-    assert vit.default_class is None
-    rec = vit.extract(vit.collate([_photo(64, 64)]), Capture(layers=(0,)))
-    assert rec.pixels is not None and rec.pixels.shape[1] == 3
+    assert vit.default_class is None and vit.kind == "vit"
+    for model in (backbone, vit):
+        photo = _photo(48, 80)
+        x = model.collate([photo])
+        rec = model.extract(x, Capture(layers=(0,)))
+        assert rec.pixels is not None and rec.pixels.dtype == torch.float32
+        assert tuple(rec.pixels.shape) == (1, 3, *rec.image_size)
+        assert float(rec.pixels.min()) >= 0 and float(rec.pixels.max()) <= 1
+
+
+def test_flux_records_carry_the_preprocessed_image_not_the_vae_input(backbone):
+    """The FLUX record's pixels are preprocess's image at model.image_size (64 px here), not
+    the VAE's 128 px input: what the pixel chain of regions and cuts refines on."""
+    import numpy as np
+    from PIL import Image
+
+    photo = _photo(40, 56)
+    rec = backbone.extract(backbone.collate([photo]), Capture(layers=(0,)))
+    assert rec.image_size == (64, 64) and tuple(rec.pixels.shape) == (1, 3, 64, 64)
+    want = np.asarray(photo.resize((64, 64), Image.BICUBIC), dtype=np.float32) / 255.0
+    got = rec.pixels[0].permute(1, 2, 0).numpy()
+    assert np.abs(got - want).max() < 1e-6
 
 
 def _photo(h, w):
@@ -650,59 +667,98 @@ def _photo(h, w):
     return Image.fromarray(np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8))
 
 
-def test_a_knob_that_needs_pixels_is_refused_on_flux_by_name(backbone, tmp_path, caplog, capsys):
-    """regions' refine_steps >= 1 walks the input image, which FLUX records do not carry:
-    refused before the first batch, one line naming the knob and the model (segment,
-    segment-eval, the API), instead of silently not refining. refine_steps=0 runs."""
-    import segment
-    from segment.eval.runner import run_eval
-    from segment.methods import RegionGrow
+# the method configs, each with what it needs on the tiny models: ConceptAttention scores the
+# double-stream layers (protocol: 14-17 of FLUX's 19; flux_tiny has 2)
+_TINY_OVERRIDES = {"concept_attention": ["method.layers=[0,1]"]}
+
+
+def _method_configs():
+    from pathlib import Path
+
+    import segment.configs
+
+    return sorted(p.stem for p in Path(segment.configs.__file__).parent.joinpath("method").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("model", ["vit_tiny_random", "flux_tiny"])
+def test_every_method_runs_on_each_backbone_kind_it_declares(model):
+    """Every method config on the tiny model of each backbone kind: the kinds the method
+    declares (Method.backbones) run with its defaults and give a finite heatmap on the grid
+    (and region labels at the input for region methods); every other pair is refused before
+    the first batch with one line naming the method, its kinds and the model."""
+    from hydra.utils import instantiate
     from segment.run.api import check_method
+
+    bb = instantiate(_compose("segment", [f"model={model}", "device=cpu"]).model)
+    photos = [_photo(48, 64), _photo(64, 40)]
+    ran = []
+    for name in _method_configs():
+        cfg = _compose("segment", [f"model={model}", f"method={name}", "device=cpu",
+                                   *_TINY_OVERRIDES.get(name, []) * (bb.kind == "dit")])
+        method = instantiate(cfg.method)
+        if bb.kind not in method.backbones:
+            with pytest.raises(ValueError) as err:
+                check_method(method, bb)
+            msg = str(err.value)
+            assert "\n" not in msg and msg.startswith(f"{method.name} runs on ")
+            assert f"model {bb.name} is a {bb.kind}" in msg
+            continue
+        capture = check_method(method, bb)
+        rec = bb.extract(bb.collate(photos), capture)
+        out = method(rec)
+        assert out.heatmap.shape[0] == 2 and bool(torch.isfinite(out.heatmap).all()), name
+        if method.gives_labels:
+            assert tuple(out.labels.shape) == (2, *rec.image_size), name
+        ran.append(name)
+    assert "cuts" in ran and "regions" in ran
+    assert ("concept_attention" in ran) == (bb.kind == "dit")
+
+
+def test_segment_runs_the_default_method_on_flux(tmp_path):
+    """`segment input=<the bundled examples> model=flux_tiny` with the default method (cuts,
+    with its pixel refinement): 3 masks and 3 label maps, exit 0."""
     from segment.run.pipeline import run_segment
 
-    with pytest.raises(ValueError, match=r"^regions: refine_steps=2 reads the input image, which model"
-                                         r" flux_tiny does not provide .*set method.refine_steps=0$"):
-        check_method(RegionGrow(name="regions", refine_steps=2), backbone)
-    assert check_method(RegionGrow(name="regions", refine_steps=0), backbone) == \
-        RegionGrow(refine_steps=0).capture(backbone.num_layers)
-    with pytest.raises(ValueError, match="refine_steps=3 reads the input image, which model flux_tiny"):
-        segment.load(model="flux_tiny", method="regions", device="cpu")
-    # the default method refines its regions with the same pixel chain: refused the same way
-    from segment.methods import EscapeCuts
+    out = tmp_path / "out"
+    cfg = _compose("segment", [f"output='{out}'", "model=flux_tiny", "device=cpu",
+                               "progress=false", "render.fsync=false", "num_workers=1"])
+    assert cfg.method.name == "cuts"
+    assert run_segment(cfg) == 0
+    want = ["astronaut.png", "chelsea.png", "coffee.png"]
+    assert sorted(p.name for p in (out / "masks").glob("*.png")) == want
+    assert sorted(p.name for p in (out / "labels").glob("*.png")) == want
 
+
+def test_a_knob_that_needs_pixels_is_refused_on_a_backbone_without_them(backbone, monkeypatch):
+    """A backbone whose records carry no pixels (Backbone.provides_pixels false; none of the
+    bundled ones) refuses the pixel chain's refine_steps >= 1 in one line naming the knob
+    and the model; refine_steps=0 is accepted."""
+    from segment.methods import EscapeCuts
+    from segment.run.api import check_method
+
+    monkeypatch.setattr(type(backbone), "provides_pixels", False)
     with pytest.raises(ValueError, match=r"^cuts: refine_steps=3 reads the input image, which model"
-                                         r" flux_tiny does not provide"):
+                                         r" flux_tiny does not provide .*set method.refine_steps=0$"):
         check_method(EscapeCuts(), backbone)
-    with pytest.raises(ValueError, match="refine_steps=3 reads the input image, which model flux_tiny"):
-        segment.load(model="flux_tiny", device="cpu")
     assert check_method(EscapeCuts(refine_steps=0), backbone) == \
         EscapeCuts(refine_steps=0).capture(backbone.num_layers)
 
-    common = ["model=flux_tiny", "method=regions", "device=cpu", "progress=false",
-              "render.fsync=false", "num_workers=1"]
+
+def test_a_vit_refuses_a_dit_only_method_in_one_line(tmp_path, capsys):
+    """concept_attention reads concept words' text tokens: on a ViT `segment` and the API
+    refuse it before the first batch, one line, nothing written."""
+    import segment
+    from segment.run.pipeline import run_segment
+
+    with pytest.raises(ValueError, match=r"^concept_attention runs on dit backbones; model"
+                                         r" vit_tiny_random is a vit"):
+        segment.load(model="vit_tiny_random", method="concept_attention", device="cpu")
     out = tmp_path / "refused"
-    with caplog.at_level("ERROR"):
-        assert run_segment(_compose("segment", [f"output='{out}'", *common])) == 2
-    assert "refine_steps=3 reads the input image, which model flux_tiny does not provide" in caplog.text
+    cfg = _compose("segment", [f"output='{out}'", "model=vit_tiny_random",
+                               "method=concept_attention", "device=cpu", "progress=false",
+                               "render.fsync=false", "num_workers=1"])
+    assert run_segment(cfg) == 2
     assert not (out / "masks").exists()
-
-    ok = tmp_path / "ok"
-    assert run_segment(_compose("segment", [f"output='{ok}'", *common, "method.refine_steps=0"])) == 0
-    assert sorted(p.name for p in (ok / "masks").glob("*.png")) == ["astronaut.png", "chelsea.png", "coffee.png"]
-    assert sorted(p.name for p in (ok / "labels").glob("*.png")) == ["astronaut.png", "chelsea.png", "coffee.png"]
-
-    import numpy as np
-    from test_datasets import write_gtsegs
-
-    mat = tmp_path / "gtsegs_ijcv.mat"
-    write_gtsegs(mat, [np.zeros((40, 56, 3), np.uint8)], [np.ones((40, 56), bool)], ["n02084071"])
-    cfg = _compose("eval", ["model=flux_tiny", "method=regions", "dataset=imagenet_seg",
-                            f"dataset.root={mat}", "device=cpu", "progress=false",
-                            f"output={tmp_path / 'eval'}"])
-    assert run_eval(cfg) == 2
-    assert ("segment-eval: method 'regions' cannot run on this model: regions: refine_steps=3 reads"
-            " the input image, which model flux_tiny does not provide") in capsys.readouterr().err
-    assert not (tmp_path / "eval" / "results.json").exists()
 
 
 def test_segment_eval_flux_experiment_end_to_end(tmp_path, monkeypatch):

@@ -198,6 +198,9 @@ class Method(abc.ABC):
     _averages_layers: ClassVar[bool] = True
     # whether the output holds region labels (``MethodOutput.labels``), not only a heatmap
     gives_labels: ClassVar[bool] = False
+    # the backbone kinds (``Backbone.kind``) this method runs on; the others are refused
+    # before the first batch (``segment.run.api.check_method``)
+    backbones: ClassVar[frozenset[str]] = frozenset({"vit", "dit"})
 
     def __post_init__(self) -> None:
         if self.layers is not None:
@@ -235,7 +238,7 @@ class Method(abc.ABC):
     def pixel_knobs(self) -> tuple[str, ...]:
         """This method's settings, as ``knob=value``, that read the input image
         (``AttentionRecord.pixels``) with the current settings; a backbone whose records carry
-        none (``Backbone.provides_pixels`` false: FLUX) refuses them before the first batch
+        none (``Backbone.provides_pixels`` false; every bundled backbone provides them) refuses them before the first batch
         (``segment.run.api.check_method``). Default: none."""
         return ()
 

@@ -32,6 +32,7 @@ class ConceptAttention(Method):
     heads: str = "mean"
     average_layers: bool = True
     _averages_layers: ClassVar[bool] = False  # always true here, checked below
+    backbones: ClassVar[frozenset[str]] = frozenset({"dit"})  # concept words: text tokens
     softmax: bool = True
     concept: int = 0
     normalize_concepts: bool = False

@@ -310,14 +310,20 @@ def _label_upsampling_for(value: str | None, method: Any) -> str:
 
 def check_method(method: Any, backbone: Backbone) -> Capture:
     """The capture ``method`` needs on ``backbone``, with every check of the method against
-    the model: the layers it selects (``ValueError`` for a layer the model lacks) and its
-    knobs that read the input image (:meth:`Method.pixel_knobs`) on a backbone whose records
-    carry none (``Backbone.provides_pixels``: FLUX). ``segment``, ``segment-eval`` and the
+    the model: the backbone kinds it runs on (:attr:`Method.backbones`), the layers it selects
+    (``ValueError`` for a layer the model lacks) and its knobs that read the input image (:meth:`Method.pixel_knobs`) on a backbone whose records
+    carry none (``Backbone.provides_pixels``). ``segment``, ``segment-eval`` and the
     API call it once, before the first batch.
 
     Raises:
         ValueError: one line naming the method, the knob and the model.
     """
+    if isinstance(method, Method) and backbone.kind not in method.backbones:
+        kinds = " or ".join(sorted(method.backbones))
+        raise ValueError(
+            f"{method.name} runs on {kinds} backbones; model {backbone.name} is a"
+            f" {backbone.kind} (choose another method or model)"
+        )
     capture = method.capture(backbone.num_layers)
     if not backbone.provides_pixels and isinstance(method, Method):
         knobs = method.pixel_knobs()
