@@ -42,7 +42,8 @@ def closed_form(a: float, b: float, c: float, e: float) -> dict[str, float]:
     """
     s = a + b + 2 * c + 4 * e
     return dict(root=8 * e / s, group=4 * c / (a + b + 2 * c), pair=2 * b / (a + b), block=1.0,
-                esc_group=4 * e / s, esc_pair=(2 * c + 4 * e) / s, esc_block=(b + 2 * c + 4 * e) / s)
+                esc_group=4 * e / s, esc_pair=(2 * c + 4 * e) / s,
+                esc_block=(b + 2 * c + 4 * e) / s)
 
 
 def planted_affinity(k: int, m: int, eps: float, noise: float = 0.0, seed: int = 0) -> torch.Tensor:

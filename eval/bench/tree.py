@@ -42,7 +42,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--min-tokens", type=int, nargs="+", default=[4, 8, 16, 32])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--weights", default=None)
-    p.add_argument("--root", default=None, help="ecssd-dev (default: $SEGMENT_SHARED/data/ecssd-dev)")
+    p.add_argument("--root", default=None,
+                   help="ecssd-dev (default: $SEGMENT_SHARED/data/ecssd-dev)")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     weights = find_weights(args.weights)
     if weights is None:

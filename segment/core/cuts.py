@@ -205,7 +205,6 @@ class Partition:
     escape: list[Tensor]
 
 
-
 class _Open(NamedTuple):
     """A region open for cutting at the current level: its image, its tokens, the batch it
     joins (regions of one ``batch`` value and size bucket share the eigensolves) and the
@@ -228,8 +227,9 @@ def _cut_levels(affinity: Tensor, todo: list[_Open], bucket: int,
                 settle: Callable[[_Open, float, Tensor], list[_Open]]) -> None:
     """The level loop of the recursive cuts (:func:`recursive_ncut`, :func:`cut_tree`).
 
-    ``todo`` holds the open regions of the first level. Per level, ``select`` is given the open regions,
-    largest first, and returns those to cut (it keeps the others); they are cut in batched
+    ``todo`` holds the open regions of the first level. Per level, ``select`` is given the
+    open regions, largest first, and returns those to cut (it keeps the others); they are
+    cut in batched
     :func:`best_cuts`, one padded batch per (``_Open.batch``, size bucket), and
     ``settle(region, ncut, side)`` is given each region's best split (float64 NCut, ``(m,)``
     bool side over ``region.tokens``) and returns the regions open at the next level.
@@ -303,7 +303,8 @@ def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None =
             count[c.image] += 1
         cand = []
         for c in todo:
-            if len(c.tokens) < 2 or (max_regions is not None and count[c.image] >= int(max_regions)):
+            full = max_regions is not None and count[c.image] >= int(max_regions)
+            if len(c.tokens) < 2 or full:
                 done[c.image].append(c.tokens)
                 continue
             # a token isolated inside the region: no spectral cut (with a positive diagonal,

@@ -44,7 +44,7 @@ from torch import Tensor
 __all__ = ["Hierarchy", "Level"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Level:
     """The partition of one image at one threshold of its :class:`Hierarchy`.
 
@@ -67,7 +67,7 @@ class Level:
     until: Tensor
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Hierarchy:
     """The escape cuts of one image at every threshold (the module docstring gives the
     layout); built by :func:`segment.core.cuts.cut_tree` or rebuilt from its tables.
@@ -160,7 +160,8 @@ class Hierarchy:
         """
         count = len(tokens)
         if not (len(parent) == len(ncut) == count) or parent[0] != -1:
-            raise ValueError("tokens, parent and ncut must describe the same nodes, node 0 the root")
+            raise ValueError("tokens, parent and ncut must describe the same nodes, node 0 "
+                             "the root")
         n = affinity.shape[-1]
         own = [float("inf") if c is None else float(c) for c in ncut]
         high, depth = [own[0]], [0]
@@ -192,7 +193,8 @@ class Hierarchy:
         leaf_id[torch.tensor(leaf, dtype=torch.long)] = torch.arange(num)
         of = leaf_id[owner]
         mine = of >= 0
-        if not torch.equal(torch.bincount(flat[mine], minlength=n), torch.ones(n, dtype=torch.long)):
+        once = torch.ones(n, dtype=torch.long)
+        if not torch.equal(torch.bincount(flat[mine], minlength=n), once):
             raise ValueError("the leaves must partition the tokens")
         labels = torch.empty(n, dtype=torch.long)
         labels[flat[mine]] = of[mine]
