@@ -153,7 +153,7 @@ def test_planted_blocks_within_blocks_give_the_nesting_and_the_heights(weights):
     want = closed_form(*weights)
     assert want["root"] < want["group"] < want["pair"] < want["block"]
     [h] = cuts.cut_tree(w, min_tokens=m + 1)  # the blocks are not cut: 8 leaves
-    assert h.num_leaves == 8
+    assert h.num_leaves == 8 and h.depth == 3
     assert torch.equal(h.leaves, torch.arange(8 * m) // m)  # leaves in reading order
     heights = torch.tensor([want["root"], want["group"], want["pair"]], dtype=torch.float64)
     torch.testing.assert_close(h.heights, heights, rtol=1e-12, atol=1e-14)

@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             trees = [t for ts in stats[key] for t in ts]
             label = f"cut_tree(min_tokens={key})"
             leaves = f"{statistics.mean(t.num_leaves for t in trees):.1f}"
-            depth = str(max(t._path.shape[1] - 1 for t in trees))
+            depth = str(max(t.depth for t in trees))
         print(f"| {label} | {leaves} | {depth} | {1e3 * cut / n:.1f} | {rel:.2f} | "
               f"{1e3 * stage / n:.1f} | {ratio:.2f} |", flush=True)
 

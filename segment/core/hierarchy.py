@@ -220,6 +220,11 @@ class Hierarchy:
         return self.children.shape[0] + 1
 
     @property
+    def depth(self) -> int:
+        """The most splits on a path from the root to a leaf."""
+        return self._path.shape[1] - 1
+
+    @property
     def heights(self) -> Tensor:
         """``(S,)`` float64 the distinct split heights, ascending: the thresholds where the
         partition changes (``labels_at`` is constant on ``(heights[j], heights[j+1]]``)."""
