@@ -4,6 +4,7 @@ same run; never timed tests).
     python -m segment.eval.bench markov    [--sizes 257 1024 4096] [--device cpu|cuda] [--weights PATH]
     python -m segment.eval.bench markov --accuracy [--images-224 10] [--images-448 2] [--root DIR]
     python -m segment.eval.bench regions   [--sizes 224 448] [--batch 4] [--repeat 5] [--weights PATH] [--eigen torch scipy] [method overrides]
+    python -m segment.eval.bench tree      [--size 224] [--images 8] [--min-tokens 4 8 16 32] [--repeat 3] [--weights PATH]
     python -m segment.eval.bench pipeline  ...   (segment.eval.bench.pipeline)
     python -m segment.eval.bench flux      ...   (segment.eval.bench.flux)
     python -m segment.eval.bench eval      ...   (segment.eval.bench.evaluator)
@@ -20,6 +21,9 @@ float64 ``eigvals`` over every head of every layer of several ecssd-dev images (
 batch, in ``--repeat`` interleaved rounds (medians; the ratio is the median of the rounds'
 ratios); ``--eigen torch scipy`` times the default's cuts with each eigensolver
 (:func:`segment.backends.second_eigenvectors`) in the same rounds.
+``tree``: the tree of escape cuts (:func:`segment.core.cuts.cut_tree`) per ``--min-tokens``
+floor against today's ``recursive_ncut`` and the forward, on ecssd-dev images: the cut alone
+and the whole region stage with the pixel stage run on the leaves (segment.eval.bench.tree).
 ``diagnose``: ``segment-diagnose``'s work per image (attention capture of every layer and
 head, then every measure of :mod:`segment.core.diagnostics`) against the bare forward of
 the same image, with the dense spectra, the exact TokenRank and the stable rank timed alone.

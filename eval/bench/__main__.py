@@ -22,6 +22,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from segment.eval.bench.regions import bench_regions
 
         bench_regions(rest)
+    elif what == "tree":
+        from segment.eval.bench.tree import main as run
+
+        run(rest)
     elif what == "pipeline":
         from segment.eval.bench.pipeline import main as run
 
@@ -43,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         raise SystemExit(run(rest))  # 1 when a check failed
     else:
-        raise SystemExit(f"unknown benchmark {what!r}: choose markov, regions, pipeline, flux, eval, diagnose or gpu")
+        raise SystemExit(f"unknown benchmark {what!r}: choose markov, regions, tree, pipeline, flux, eval, diagnose or gpu")
 
 
 if __name__ == "__main__":

@@ -27,17 +27,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from segment.core import markov
+from segment.core.hierarchy import Hierarchy
 
 __all__ = [
     "Partition",
     "best_cut",
     "best_cuts",
+    "cut_tree",
     "escape_probabilities",
     "key_affinity",
     "recursive_ncut",
@@ -202,6 +205,63 @@ class Partition:
     escape: list[Tensor]
 
 
+class _Open(NamedTuple):
+    """A region open for cutting at the current level: its image, its tokens, the batch it
+    joins (regions of one ``batch`` value and size bucket share the eigensolves) and the
+    caller's handle (the tree's node id)."""
+
+    image: int
+    tokens: Tensor
+    batch: bool = True
+    node: int = -1
+
+
+def _isolated(affinity: Tensor, image: int, tokens: Tensor) -> bool:
+    """Whether a token of the region has no weight inside it (its chain has no spectral cut)."""
+    return bool((affinity[image][tokens[:, None], tokens].sum(1) <= 0).any())
+
+
+def _cut_levels(affinity: Tensor, todo: list[_Open], bucket: int,
+                eigvec: Callable[[Tensor], Tensor] | None,
+                select: Callable[[list[_Open]], list[_Open]],
+                settle: Callable[[_Open, float, Tensor], list[_Open]]) -> None:
+    """The level loop of the recursive cuts (:func:`recursive_ncut`, :func:`cut_tree`).
+
+    ``todo`` holds the open regions of the first level. Per level, ``select`` is given the
+    open regions, largest first, and returns those to cut (it keeps the others); they are
+    cut in batched
+    :func:`best_cuts`, one padded batch per (``_Open.batch``, size bucket), and
+    ``settle(region, ncut, side)`` is given each region's best split (float64 NCut, ``(m,)``
+    bool side over ``region.tokens``) and returns the regions open at the next level.
+    """
+    dev = affinity.device
+    while todo:
+        todo.sort(key=lambda t: -len(t.tokens))
+        cand = select(todo)
+        todo = []
+        groups: dict[tuple[bool, int], list[_Open]] = {}
+        for c in cand:
+            groups.setdefault((c.batch, -(-len(c.tokens) // bucket)), []).append(c)
+        for group in groups.values():
+            m = max(len(c.tokens) for c in group)
+            pad = torch.zeros(len(group), m, m, dtype=affinity.dtype, device=dev)
+            for g, c in enumerate(group):
+                pad[g, : len(c.tokens), : len(c.tokens)] = affinity[c.image][c.tokens[:, None],
+                                                                              c.tokens]
+            sizes = torch.tensor([len(c.tokens) for c in group], device=dev)
+            ncut, side = best_cuts(pad, sizes, eigvec)
+            values = ncut.tolist()  # the batch's host sync
+            for g, c in enumerate(group):
+                todo += settle(c, values[g], side[g, : len(c.tokens)])
+
+
+def _check_affinity(affinity: Tensor) -> None:
+    if affinity.dim() != 3 or affinity.shape[-1] != affinity.shape[-2]:
+        raise ValueError(f"affinity must be (B, n, n), got {tuple(affinity.shape)}")
+    if bool((affinity < 0).any()):
+        raise ValueError("affinity must be non-negative")
+
+
 def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None = None,
                    bucket: int = 64,
                    eigvec: Callable[[Tensor], Tensor] | None = None) -> Partition:
@@ -213,7 +273,8 @@ def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None =
     of one token, or whose best cut is crossed too often, stays whole. Whether a region is
     cut depends on that region alone, so the regions are cut level by level: every open
     region of every image at once, in batched eigensolves (regions of similar size padded
-    to a common size, a multiple of ``bucket``), one host sync per level.
+    to a common size, a multiple of ``bucket``), one host sync per batch.
+    :func:`cut_tree` keeps cutting past ``tau`` and gives every level at once.
 
     Args:
         affinity: ``(B, n, n)`` symmetric non-negative ``W`` with positive row sums.
@@ -227,53 +288,42 @@ def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None =
         :class:`Partition` (labels on ``affinity.device``; regions numbered in the reading
         order of their first token).
     """
-    if affinity.dim() != 3 or affinity.shape[-1] != affinity.shape[-2]:
-        raise ValueError(f"affinity must be (B, n, n), got {tuple(affinity.shape)}")
+    _check_affinity(affinity)
     if not 0 < float(tau) <= 2:
         raise ValueError(f"tau must lie in (0, 2], got {tau}")
-    if bool((affinity < 0).any()):
-        raise ValueError("affinity must be non-negative")
     b, n, _ = affinity.shape
     dev = affinity.device
     done: list[list[Tensor]] = [[] for _ in range(b)]
-    todo: list[tuple[int, Tensor]] = [(i, torch.arange(n, device=dev)) for i in range(b)]
     self_loops = (affinity.diagonal(dim1=1, dim2=2) > 0).all(1).tolist()
-    while todo:
-        # one level: the open regions that can be cut, largest first (max_regions keeps them)
-        todo.sort(key=lambda t: -len(t[1]))
+
+    def select(todo: list[_Open]) -> list[_Open]:
+        # the open regions that can be cut, largest first (max_regions keeps them)
         count = [len(d) for d in done]
-        for i, _ in todo:
-            count[i] += 1
+        for c in todo:
+            count[c.image] += 1
         cand = []
-        for i, idx in todo:
-            if idx.numel() < 2 or (max_regions is not None and count[i] >= int(max_regions)):
-                done[i].append(idx)
+        for c in todo:
+            full = max_regions is not None and count[c.image] >= int(max_regions)
+            if len(c.tokens) < 2 or full:
+                done[c.image].append(c.tokens)
                 continue
             # a token isolated inside the region: no spectral cut (with a positive diagonal,
             # as an attention chain's, no token can be)
-            if not self_loops[i] and bool((affinity[i][idx[:, None], idx].sum(1) <= 0).any()):
-                done[i].append(idx)
+            if not self_loops[c.image] and _isolated(affinity, c.image, c.tokens):
+                done[c.image].append(c.tokens)
                 continue
-            count[i] += 1  # tentatively cut: the budget of the next regions
-            cand.append((i, idx))
-        todo = []
-        groups: dict[int, list[tuple[int, Tensor]]] = {}
-        for c in cand:
-            groups.setdefault(-(-len(c[1]) // bucket), []).append(c)
-        for group in groups.values():
-            m = max(len(idx) for _, idx in group)
-            pad = torch.zeros(len(group), m, m, dtype=affinity.dtype, device=dev)
-            for g, (i, idx) in enumerate(group):
-                pad[g, : len(idx), : len(idx)] = affinity[i][idx[:, None], idx]
-            sizes = torch.tensor([len(idx) for _, idx in group], device=dev)
-            ncut, side = best_cuts(pad, sizes, eigvec)
-            keep = (ncut < float(tau)).tolist()  # the level's host sync
-            for g, (i, idx) in enumerate(group):
-                if keep[g]:
-                    one = side[g, : len(idx)]
-                    todo += [(i, idx[one]), (i, idx[~one])]
-                else:
-                    done[i].append(idx)
+            count[c.image] += 1  # tentatively cut: the budget of the next regions
+            cand.append(c)
+        return cand
+
+    def settle(c: _Open, ncut: float, side: Tensor) -> list[_Open]:
+        if ncut < float(tau):
+            return [_Open(c.image, c.tokens[side]), _Open(c.image, c.tokens[~side])]
+        done[c.image].append(c.tokens)
+        return []
+
+    roots = [_Open(i, torch.arange(n, device=dev)) for i in range(b)]
+    _cut_levels(affinity, roots, bucket, eigvec, select, settle)
     labels = torch.zeros(b, n, dtype=torch.long, device=dev)
     counts = []
     for i in range(b):
@@ -285,3 +335,76 @@ def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None =
     esc = escape_probabilities(affinity, labels, int(counts_t.max()))
     return Partition(labels=labels, counts=counts_t,
                      escape=[esc[i, : counts[i]] for i in range(b)])
+
+
+def cut_tree(affinity: Tensor, min_tokens: int = 24, tau: float | None = None,
+             bucket: int = 64,
+             eigvec: Callable[[Tensor], Tensor] | None = None) -> list[Hierarchy]:
+    """The tree of the recursive cuts: every region cut along its best split, down to a floor.
+
+    The cuts of :func:`recursive_ncut` with no threshold: every region of at least
+    ``min_tokens`` tokens is split into the two sides of :func:`best_cuts` of its own chain,
+    whatever the NCut of that split, and each split is recorded with its NCut (float64).
+    A split's *height* is the largest NCut on its path from the root (monotone: never below
+    its parent's), so :meth:`Hierarchy.labels_at` ``(t)``, which keeps the splits of height
+    below ``t``, keeps exactly the splits :func:`recursive_ncut` ``(affinity, t)`` keeps
+    (every split on the path below ``t``) wherever the floor does not bind, and its levels
+    nest (:class:`segment.core.hierarchy.Hierarchy`).
+
+    Same level loop and batches as :func:`recursive_ncut`. With ``tau`` given, the regions
+    of :func:`recursive_ncut` ``(affinity, tau)`` (those whose path from the root has every
+    NCut below ``tau``) are cut whatever their size and in batches of their own (the same
+    padded eigensolves as :func:`recursive_ncut`), so ``labels_at(tau)`` is its partition
+    exactly, floor or not; the floor binds past ``tau`` only.
+
+    Args:
+        affinity: ``(B, n, n)`` symmetric non-negative ``W`` with positive row sums.
+        min_tokens: the floor: a region of fewer tokens is not cut (a leaf), ``>= 2``; the
+            default 24 (about a tenth of the 16 x 16 grid at 224 px: 34 leaves per ecssd-dev
+            image) keeps the region stage with the pixel stage run on the leaves under half
+            the backbone forward at 224 px (docs/benchmarks.md, "The tree of escape cuts").
+        tau: ``None``, or in ``(0, 2]``: the level kept exact (the method's ``escape``).
+        bucket: the size granularity of the padded batches (compute, not results).
+        eigvec: the eigensolver of :func:`best_cuts` (``None``: batched ``torch.linalg.eigh``).
+
+    Returns:
+        per image, its :class:`segment.core.hierarchy.Hierarchy` (leaves on
+        ``affinity.device``, tables on the CPU).
+    """
+    _check_affinity(affinity)
+    if isinstance(min_tokens, bool) or int(min_tokens) != min_tokens or int(min_tokens) < 2:
+        raise ValueError(f"min_tokens must be an integer >= 2, got {min_tokens!r}")
+    if tau is not None and not 0 < float(tau) <= 2:
+        raise ValueError(f"tau must lie in (0, 2] or be None, got {tau}")
+    b, n, _ = affinity.shape
+    self_loops = (affinity.diagonal(dim1=1, dim2=2) > 0).all(1).tolist()
+    # per image, its nodes: tokens, parent node, NCut of its split (None: a leaf)
+    tokens: list[list[Tensor]] = [[torch.arange(n, device=affinity.device)] for _ in range(b)]
+    parent: list[list[int]] = [[-1] for _ in range(b)]
+    ncuts: list[list[float | None]] = [[None] for _ in range(b)]
+
+    def select(todo: list[_Open]) -> list[_Open]:
+        cand = []
+        for c in todo:
+            if len(c.tokens) < 2 or (not c.batch and len(c.tokens) < int(min_tokens)):
+                continue
+            if not self_loops[c.image] and _isolated(affinity, c.image, c.tokens):
+                continue
+            cand.append(c)
+        return cand
+
+    def settle(c: _Open, ncut: float, side: Tensor) -> list[_Open]:
+        ncuts[c.image][c.node] = ncut
+        inside = c.batch and ncut < float(tau)  # type: ignore[arg-type]
+        out = []
+        for part in (c.tokens[side], c.tokens[~side]):
+            tokens[c.image].append(part)
+            parent[c.image].append(c.node)
+            ncuts[c.image].append(None)
+            out.append(_Open(c.image, part, inside, len(tokens[c.image]) - 1))
+        return out
+
+    roots = [_Open(i, tokens[i][0], tau is not None, 0) for i in range(b)]
+    _cut_levels(affinity, roots, bucket, eigvec, select, settle)
+    return [Hierarchy.from_splits(tokens[i], parent[i], ncuts[i], affinity[i])
+            for i in range(b)]
