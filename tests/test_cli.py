@@ -54,6 +54,8 @@ def test_cli_runs_on_a_folder(tmp_path):
     assert (out / "overlays" / "nested" / "b.jpg").is_file() and (out / "heatmaps" / "a.png").is_file()
     man = json.loads((out / "run.json").read_text())
     assert man["counts"]["segmented"] == 2 and man["skipped"][0]["path"] == "broken.png"
+    assert man["counts"]["skipped"] == 1 and "failed" not in man["counts"]
+    assert "skipped " in r.stdout + r.stderr and "1 skipped" in (out / "index.html").read_text().replace("<wbr>", "")
     assert (out / "index.html").is_file() and (out / "annotations.json").is_file()
     assert (out / ".hydra" / "config.yaml").is_file()  # Hydra's own record stays with the results
 
