@@ -353,7 +353,7 @@ def test_paths_are_checked_before_torch_loads(tmp_path):
     cases = [
         ("segment", [f"input={empty}"],
          (f"no images found under '{empty}' (looked recursively for .jpg, .jpeg, .png, .webp,"
-          " .bmp, .tif, .tiff; 1 other files ignored)")),
+          " .bmp, .tif, .tiff; 1 other file ignored)")),
         ("segment", [f"input={nope}"], f"input path '{nope}' does not exist"),
         ("segment", [f"model.checkpoint={nope}.pt"], f"model.checkpoint: no such file: {nope}.pt"),
         ("segment", [f"model.checkpoint={tmp_path}"], f"model.checkpoint: no such file: {tmp_path}"),
