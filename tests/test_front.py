@@ -113,7 +113,7 @@ _WRONG_TYPE = [  # either command
     ("segment", "method.layers=[-1.5]", "expected whole numbers, e.g. [-1]"),
     ("segment", "batch_size=2.0", "expected a whole number >= 1 (the default is 8)"),
     ("segment", "min_size=-1", "expected a whole number >= 0 (the default is null)"),
-    ("segment", "retry_skipped=maybe", "expected true or false (the default is False)"),
+    ("segment", "retry_skipped=maybe", "expected true or false (the default is false)"),
     # an empty input (an unset shell variable) is not "the bundled examples"
     ("segment", "input=", "empty; give a folder or an image, or leave out input= for the bundled examples"),
 ])
