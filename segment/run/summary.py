@@ -45,8 +45,9 @@ def outcome(state: RunState) -> int:
     n_skipped = state.count("skipped")
     if n_ok == 0:
         n = len(state.files)
-        state.error = (f"none of the {n} images could be segmented" if n != 1 else "the one image could not be segmented") + (
-            "; see the reasons in run.json" if state.count("skipped") == state.known_bad
+        state.error = (f"none of the {n} images could be segmented" if n != 1
+                       else "the one image could not be segmented") + (
+            "; see the reasons in run.json" if n_skipped == state.known_bad
             else "; see the reasons above and in run.json")
         log.error(state.error)
         return EXIT_NOTHING_DONE
