@@ -53,8 +53,9 @@ def pair_by_stem(
             ``"skip"``: only the pairs are kept.
         hint: appended to the unpaired-file errors (e.g. how to skip them).
     """
-    img_dir = require_dir(root / images_dir, f"the images of a {kind} data set")
-    oth_dir = require_dir(root / other_dir, f"the {other}s of a {kind} data set")
+    layout = f"{images_dir}/ and {other_dir}/ under its root"
+    img_dir = require_dir(root / images_dir, f"the images of a {kind} data set ({layout})")
+    oth_dir = require_dir(root / other_dir, f"the {other}s of a {kind} data set ({layout})")
     images = _by_stem(img_dir, IMAGE_EXTENSIONS)
     others = _by_stem(oth_dir, MASK_EXTENSIONS)
     if missing == "error":

@@ -307,8 +307,9 @@ def _read_cache(job: ScoreJob, names: Sequence[str], mine: Sequence[int]) -> lis
         if any(k not in entry.states for k in keys):
             todo.append(i)
     log.info(
-        "rank %d/%d: %d images, %d with every row in the metric cache, %d to score with %d methods",
+        "rank %d/%d: %d images, %d with every row in the metric cache, %d to score with %d method%s",
         ctx.rank, ctx.world_size, len(mine), len(mine) - len(todo), len(todo), len(job.specs),
+        "" if len(job.specs) == 1 else "s",
     )
     if cache.enabled:
         others = [p for p in cache.root.parent.iterdir() if p.is_dir() and p != cache.root]

@@ -169,6 +169,8 @@ def test_command_exit_1_when_no_image_can_be_read(tmp_path):
     r = run(f"input={src}", f"output={tmp_path / 'out'}", *TINY)
     assert r.returncode == 1, r.stderr
     assert "broken.png" in r.stdout + r.stderr
+    # the file is named once, with the reason
+    assert f"skipped {src / 'broken.png'}: not a readable image" in r.stdout + r.stderr
 
 
 def test_command_ctrl_c_exits_130_and_writes_nothing(tmp_path):

@@ -60,7 +60,7 @@ def make_folder(root: Path, n: int = 5, seed: int = 0) -> Path:
 
 def cfg_for(*overrides: str):
     """The eval config; these tests are written against CLS attention as the first row, so
-    it is pinned unless a test chooses another `method=` (the shipped default is `regions`)."""
+    it is pinned unless a test chooses another `method=` (the shipped default is `cuts`)."""
     overrides = list(overrides)
     if not any(o.startswith("method=") or o.startswith("experiment=") for o in overrides):
         overrides.insert(0, "method=cls_attention")

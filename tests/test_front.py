@@ -113,7 +113,7 @@ _WRONG_TYPE = [  # either command
     ("segment", "method.layers=[-1.5]", "expected whole numbers, e.g. [-1]"),
     ("segment", "batch_size=2.0", "expected a whole number >= 1 (the default is 8)"),
     ("segment", "min_size=-1", "expected a whole number >= 0 (the default is null)"),
-    ("segment", "retry_skipped=maybe", "expected true or false (the default is False)"),
+    ("segment", "retry_skipped=maybe", "expected true or false (the default is false)"),
     # an empty input (an unset shell variable) is not "the bundled examples"
     ("segment", "input=", "empty; give a folder or an image, or leave out input= for the bundled examples"),
 ])
@@ -353,7 +353,7 @@ def test_paths_are_checked_before_torch_loads(tmp_path):
     cases = [
         ("segment", [f"input={empty}"],
          (f"no images found under '{empty}' (looked recursively for .jpg, .jpeg, .png, .webp,"
-          " .bmp, .tif, .tiff; 1 other files ignored)")),
+          " .bmp, .tif, .tiff; 1 other file ignored)")),
         ("segment", [f"input={nope}"], f"input path '{nope}' does not exist"),
         ("segment", [f"model.checkpoint={nope}.pt"], f"model.checkpoint: no such file: {nope}.pt"),
         ("segment", [f"model.checkpoint={tmp_path}"], f"model.checkpoint: no such file: {tmp_path}"),

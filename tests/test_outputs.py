@@ -424,9 +424,13 @@ def test_gallery_references_existing_files(tmp_path):
                     **{**_fields("x"), "source_path": str(src)}),
         write_image(out, "sub/r", _image(20, 30), _region_seg(20, 30), FAST, **_fields("sub/r")),
     ]
-    write_gallery(out / "index.html", recs, failed=[{"path": "bad.jpg", "reason": "empty file (0 bytes)"}])
+    write_gallery(out / "index.html", recs, skipped=[{"path": "bad.jpg", "reason": "empty file (0 bytes)"}],
+                  ignored=[{"path": "notes.txt", "reason": "not an image extension"}])
     text = (out / "index.html").read_text()
     assert "<th>labels</th>" in text and "empty file (0 bytes)" in text and "bad.jpg" in text
+    # one word for a file that could not be segmented, another for one that is not an image
+    assert "<h2>Skipped (1)</h2>" in text and "<h2>Ignored (1)</h2>" in text and "Not processed" not in text
+    assert text.index("bad.jpg") < text.index("<h2>Ignored") < text.index("notes.txt")
     assert "&lt;name&gt;" in text and "<name>" not in text  # escaped
     links = _links(text)
     assert len(links) == 2 * (5 * 2) - 2  # 2 rows x 5 columns (img + link); no labels thumb for binary

@@ -83,17 +83,24 @@ def test_run_on_folder_with_bad_files(tmp_path, caplog):
         assert Image.open(out / "overlays" / f"{name}.jpg").size == (w, h)
     man = _manifest(out)
     assert man["exit_code"] == 0 and man["counts"] == {
-        "found": 9, "segmented": 5, "resumed": 0, "failed": 4, "ignored": 1}
+        "found": 9, "segmented": 5, "resumed": 0, "skipped": 4, "ignored": 1}
     skipped = {s["path"]: s["reason"] for s in man["skipped"]}
+    assert set(skipped) == set(reasons)  # the images that could not be segmented, only
     for path, why in reasons.items():
         assert why in skipped[path], (path, skipped[path])
         assert any(path in r.message and why in r.message for r in caplog.records), path
-    assert "not an image extension" in skipped["readme.txt"]
+    assert man["ignored"] == [{"path": "readme.txt", "reason": man["ignored"][0]["reason"]}]
+    assert "not an image extension" in man["ignored"][0]["reason"]
     assert "tiny.png" in skipped and "5" in skipped["tiny.png"]
     # the closing line counts them with the word the per-file warnings use
     assert "done: 5 segmented, 0 resumed, 4 skipped (reasons above and in run.json)" in caplog.text
     statuses = {s["name"]: s["status"] for s in man["images"]}
-    assert statuses["a.jpg"] == "done" and statuses["empty"] == "failed"
+    assert statuses["a.jpg"] == "done" and statuses["empty"] == "skipped"
+    # one word in the log, run.json and the gallery: skipped (with the reason); not images: ignored
+    gallery = (out / "index.html").read_text().replace("<wbr>", "")
+    assert "5 segmented of 9 images; 4 skipped; 1 other file ignored" in gallery
+    assert "<h2>Skipped (4)</h2>" in gallery and "<h2>Ignored (1)</h2>" in gallery
+    assert "failed" not in json.dumps(man["counts"]) + gallery.lower() and "not used" not in gallery
     assert man["device"]["device"] == "cpu" and torch.__version__.startswith(man["versions"]["torch"])
     assert man["config"]["model"]["_target_"] and man["timings"]["images_per_s"] > 0
     # COCO: every segmented image, masks reproduced by annToMask
@@ -193,8 +200,8 @@ def test_empty_missing_and_all_bad_inputs(tmp_path, caplog):
     (bad / "b.jpg").write_text("nope")
     caplog.clear()
     assert run_segment(compose_cfg(bad, tmp_path / "o3")) == 1
-    assert "none of the 2 images could be processed" in caplog.text
-    assert _manifest(tmp_path / "o3")["counts"]["failed"] == 2
+    assert "none of the 2 images could be segmented" in caplog.text
+    assert _manifest(tmp_path / "o3")["counts"]["skipped"] == 2
     # batch_size 0 is refused (it once ran silently as 1), before anything is written
     caplog.clear()
     assert run_segment(compose_cfg(bad, tmp_path / "o4", "batch_size=0")) == 2
@@ -279,7 +286,7 @@ def test_batches_hold_one_preprocessed_size(tmp_path, mode):
     assert len({s[2:] for s in bb.shapes}) == (2 if mode == "orientation" else n)
     assert len(list((tmp_path / "o" / "masks").glob("*.png"))) == n
     man = _manifest(tmp_path / "o")
-    assert man["counts"]["segmented"] == n and man["counts"]["failed"] == 0
+    assert man["counts"]["segmented"] == n and man["counts"]["skipped"] == 0
 
 
 # ----------------------------------------------------------------------------- regions, interrupts
@@ -395,7 +402,7 @@ def test_model_failure_on_one_batch_is_isolated(tmp_path):
 
     assert run_segment(cfg, method=FailsOnFirst()) == 0
     man = _manifest(out)
-    assert man["counts"]["segmented"] == 3 and man["counts"]["failed"] == 1
+    assert man["counts"]["segmented"] == 3 and man["counts"]["skipped"] == 1
     assert "model failed (RuntimeError: CUDA out of memory (simulated))" in man["skipped"][0]["reason"]
 
 
@@ -657,46 +664,45 @@ def test_a_full_disk_stops_the_run_in_one_line_and_a_resume_completes_it(tmp_pat
         assert "could not be written" not in line
         man = _manifest(out)
         assert man["exit_code"] == 1 and "No space left on device" in man["error"]
-        assert man["counts"]["segmented"] == len(records) and man["counts"]["failed"] == 0
+        assert man["counts"]["segmented"] == len(records) and man["counts"]["skipped"] == 0
     # a resume on a disk with room: outputs equal an uninterrupted run's
     caplog.clear()
     torch.manual_seed(0)
     assert run_segment(compose_cfg(src, out, "batch_size=2")) == 0
     man = _manifest(out)
     assert man["counts"] == {"found": 8, "segmented": 8 - len(records), "resumed": len(records),
-                             "failed": 0, "ignored": 0}
+                             "skipped": 0, "ignored": 0}
     _same_outputs(ref, out)
 
 
 def test_a_resume_skips_unchanged_unreadable_files_without_loading_the_model(tmp_path, monkeypatch, caplog):
-    """Files run.json lists as unreadable are skipped again while their size and mtime are
-    unchanged: with nothing else to do the model is not even built; a changed file, or
-    retry_skipped=true, reads them again."""
+    """Files run.json lists as refused (unreadable, too small) are skipped again while their
+    size and mtime are unchanged: with nothing else to do the model is not even built; a
+    changed file, or retry_skipped=true, reads them again."""
     import segment.run.pipeline as pipeline_mod
 
     src, out = tmp_path / "in", tmp_path / "out"
     reasons = make_folder(src)  # 5 good images, 4 bad files (3 unreadable, 1 too small)
     assert run_segment(compose_cfg(src, out)) == 0
     first = {s["source"]: s for s in _manifest(out)["images"]}
-    assert {k for k, v in first.items() if v.get("unreadable")} == {"empty.jpg", "text.png", "sub/cut.jpg"}
+    assert {k for k, v in first.items() if v.get("unreadable")} == {"empty.jpg", "text.png", "sub/cut.jpg",
+                                                                     "tiny.png"}
     assert first["empty.jpg"]["source_bytes"] == 0 and "source_mtime_ns" in first["text.png"]
-    assert "unreadable" not in first["tiny.png"]  # too small for this model: not the file's fault
 
     builds = []
     real_build = pipeline_mod.SegmentRun._build
     monkeypatch.setattr(pipeline_mod.SegmentRun, "_build", lambda self: builds.append(1) or real_build(self))
-    (src / "tiny.png").unlink()  # only the known-bad files are left to do
     caplog.clear()
     caplog.set_level("INFO")
     assert run_segment(compose_cfg(src, out)) == 0
     assert builds == []  # the model was not loaded
-    assert "5 already done, 0 to segment, 3 known-bad files skipped again" in caplog.text
-    assert "done: 0 segmented, 5 resumed, 3 skipped (reasons in run.json)" in caplog.text
+    assert "5 already done, 0 to segment, 4 known-bad files skipped again" in caplog.text
+    assert "done: 0 segmented, 5 resumed, 4 skipped (reasons in run.json)" in caplog.text
     assert "skipped " + str(src) not in caplog.text  # not read again, so no per-file warning
     man = _manifest(out)
-    assert man["counts"] == {"found": 8, "segmented": 0, "resumed": 5, "failed": 3, "ignored": 1}
-    again = {s["source"]: s for s in man["images"] if s["status"] == "failed"}
-    for path in ("empty.jpg", "text.png", "sub/cut.jpg"):
+    assert man["counts"] == {"found": 9, "segmented": 0, "resumed": 5, "skipped": 4, "ignored": 1}
+    again = {s["source"]: s for s in man["images"] if s["status"] == "skipped"}
+    for path in ("empty.jpg", "text.png", "sub/cut.jpg", "tiny.png"):
         assert again[path]["known_bad"] and reasons[path] in again[path]["reason"]
         assert again[path]["source_mtime_ns"] == first[path]["source_mtime_ns"]
     assert "sub/cut.jpg" in (out / "index.html").read_text()  # still listed with its reason
@@ -705,13 +711,48 @@ def test_a_resume_skips_unchanged_unreadable_files_without_loading_the_model(tmp
     os.utime(src / "text.png", ns=(1, 1))
     caplog.clear()
     assert run_segment(compose_cfg(src, out)) == 0
-    assert "0 to segment, 2 known-bad files skipped again" not in caplog.text
-    assert "1 to segment, 2 known-bad files skipped again" in caplog.text
+    assert "1 to segment, 3 known-bad files skipped again" in caplog.text
     assert builds == [1]
     # retry_skipped=true reads every one of them again (and says why each is skipped)
     caplog.clear()
     assert run_segment(compose_cfg(src, out, "retry_skipped=true")) == 0
-    assert "3 to segment -> " in caplog.text and "known-bad" not in caplog.text
-    assert all(f"{src / p}" in caplog.text for p in ("empty.jpg", "text.png", "sub/cut.jpg"))
+    assert "4 to segment -> " in caplog.text and "known-bad" not in caplog.text
+    assert all(f"{src / p}" in caplog.text for p in ("empty.jpg", "text.png", "sub/cut.jpg", "tiny.png"))
+    assert builds == [1, 1]
+    # a change of a refusing setting reads them again: min_size=4 admits tiny.png (5 x 9 px)
+    caplog.clear()
+    assert run_segment(compose_cfg(src, out, "min_size=4")) == 0
+    assert "4 to segment -> " in caplog.text and "known-bad" not in caplog.text
+    assert "done: 1 segmented, 5 resumed, 3 skipped" in caplog.text and builds == [1, 1, 1]
+
+
+def test_a_resume_of_only_a_too_small_image_does_not_load_the_model(tmp_path, monkeypatch, caplog):
+    """A 1x1 PNG is refused (smaller than one patch), and a rerun neither reads it again nor
+    loads the model while the file, min_size, max_pixels and the model are unchanged; a
+    change of the model (its patch decides "too small" without min_size) reads it again."""
+    import segment.run.pipeline as pipeline_mod
+    import segment.run.stages as stages_mod
+
+    src, out = tmp_path / "in", tmp_path / "out"
+    src.mkdir()
+    Image.new("RGB", (1, 1)).save(src / "dot.png")
+    builds, reads = [], []
+    real_build, real_read = pipeline_mod.SegmentRun._build, stages_mod.read_image
+    monkeypatch.setattr(pipeline_mod.SegmentRun, "_build", lambda self: builds.append(1) or real_build(self))
+    monkeypatch.setattr(stages_mod, "read_image", lambda path, **kw: reads.append(path) or real_read(path, **kw))
+    caplog.set_level("INFO")
+    assert run_segment(compose_cfg(src, out)) == 1  # nothing could be segmented
+    assert builds == [1] and len(reads) == 1 and "smaller than one" in caplog.text
+    for _ in range(2):
+        caplog.clear()
+        assert run_segment(compose_cfg(src, out)) == 1
+        assert builds == [1] and len(reads) == 1  # neither the model nor the file
+        assert "0 to segment, 1 known-bad file skipped again" in caplog.text
+        man = _manifest(out)
+        assert man["counts"]["skipped"] == 1 and man["images"][0]["known_bad"]
+        assert "smaller than one" in man["skipped"][0]["reason"]
+    caplog.clear()
+    assert run_segment(compose_cfg(src, out, "model.image_size=28")) == 1  # another model config
+    assert builds == [1, 1] and len(reads) == 2
     with pytest.raises(ValueError, match="retry_skipped must be true or false"):
         SegmentRun(compose_cfg(src, out, "retry_skipped='yes'"))

@@ -38,8 +38,8 @@ def test_share_is_strided_and_covers_the_list():
     assert share(items, DistContext()) == items
     rep = RankReport(rank=1, images=2, statuses={
         "a": {"name": "a", "source": "a.png", "status": "done"},
-        "b": {"name": "b", "source": "b.png", "status": "failed", "reason": "x"}})
-    assert rep.summary()["segmented"] == 1 and rep.summary()["failed"] == 1
+        "b": {"name": "b", "source": "b.png", "status": "skipped", "reason": "x"}})
+    assert rep.summary()["segmented"] == 1 and rep.summary()["skipped"] == 1
 
 
 @pytest.fixture(scope="module")
@@ -127,15 +127,15 @@ def test_torchrun_two_ranks_equal_one_and_resume_with_other_rank_counts(setup):
     # COCO: same images, annotations and ids as the single process
     _same_coco(one, two)
     m1, m2 = (json.loads((o / "run.json").read_text()) for o in (one, two))
-    assert m2["counts"] == m1["counts"] == {"found": 8, "segmented": 7, "resumed": 0, "failed": 1, "ignored": 0}
+    assert m2["counts"] == m1["counts"] == {"found": 8, "segmented": 7, "resumed": 0, "skipped": 1, "ignored": 0}
     assert m2["world_size"] == 2 and [r["rank"] for r in m2["ranks"]] == [0, 1]
-    assert sum(r["segmented"] for r in m2["ranks"]) == 7 and sum(r["failed"] for r in m2["ranks"]) == 1
+    assert sum(r["segmented"] for r in m2["ranks"]) == 7 and sum(r["skipped"] for r in m2["ranks"]) == 1
     # the sorted list is dealt out round robin; every image done by its rank
     names = [s["name"] for s in m1["images"]]
     assert [s["name"] for s in m2["images"]] == names
     for i, s in enumerate(m2["images"]):
         assert s.get("rank", i % 2) == i % 2, s
-    assert any(s["status"] == "failed" and "broken" in s["source"] for s in m2["images"])
+    assert any(s["status"] == "skipped" and "broken" in s["source"] for s in m2["images"])
     assert (two / "index.html").read_text().count("<tr>") == (one / "index.html").read_text().count("<tr>")
 
     # an interrupted rank: the records of 3 images are gone, and so are the run files;
@@ -148,7 +148,7 @@ def test_torchrun_two_ranks_equal_one_and_resume_with_other_rank_counts(setup):
     r3 = _run([*_torchrun(3), *args, f"output={two}"])
     assert r3.returncode == 0, (r3.stdout + r3.stderr)[-4000:]
     m3 = json.loads((two / "run.json").read_text())
-    assert m3["counts"] == {"found": 8, "segmented": 3, "resumed": 4, "failed": 1, "ignored": 0}
+    assert m3["counts"] == {"found": 8, "segmented": 3, "resumed": 4, "skipped": 1, "ignored": 0}
     assert m3["world_size"] == 3
     redone = {s["name"] for s in m3["images"] if s["status"] == "done"}
     assert redone == set(lost)
@@ -211,4 +211,4 @@ def test_torchrun_a_dying_rank_keeps_finished_images_and_a_rerun_completes_the_r
     resumed = {s["name"] for s in man["images"] if s["status"] == "resumed"}
     assert set(records) <= resumed  # (rank 0 may finish the file it was writing when told to stop)
     assert man["counts"]["resumed"] == len(resumed)
-    assert man["counts"]["segmented"] + man["counts"]["resumed"] == 7 and man["counts"]["failed"] == 1
+    assert man["counts"]["segmented"] + man["counts"]["resumed"] == 7 and man["counts"]["skipped"] == 1

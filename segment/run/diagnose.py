@@ -391,7 +391,7 @@ def _read_all(root: Path) -> tuple[list[Image.Image], list[str]]:
             images.append(read_image(f.path).image)
             names.append(f.rel)
         except ImageReadError as e:
-            log.warning("skipped %s: %s", f.rel, e)
+            log.warning("skipped %s: %s", f.path, e.reason)
     if not listing.files:
         raise InputError(f"no images found under {str(listing.root)!r}")
     return images, names

@@ -273,6 +273,9 @@ def run_value_problem(command: str, key: str, default: Any, value: Any) -> str |
 
 
 def show_default(v: Any) -> str:
+    """A default as it is written on the command line: ``null``, ``true``, ``0.2``, ``'auto'``."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
     return "null" if v is None else repr(v)
 
 

@@ -187,8 +187,9 @@ def check_input(input_path: str | os.PathLike) -> Path:
 
 def no_images_message(listing: Listing) -> str:
     """What a run says when ``listing`` holds no image."""
+    n = len(listing.ignored)
     return (f"no images found under {str(listing.root)!r} (looked recursively for "
-            f"{', '.join(IMAGE_EXTENSIONS)}; {len(listing.ignored)} other files ignored)")
+            f"{', '.join(IMAGE_EXTENSIONS)}" + (f"; {n} other file{'' if n == 1 else 's'} ignored)" if n else ")"))
 
 
 def _existing(input_path: str | os.PathLike) -> Path:

@@ -734,12 +734,13 @@ class ImageStatus:
 
     name: str
     source: str
-    status: str  # done | resumed | failed
+    status: str  # done | resumed | skipped (could not be segmented: ``reason`` says why)
     reason: str | None = None
     seconds: float | None = None
     rank: int | None = None  # the torchrun rank that segmented it (distributed runs)
-    # files that cannot be read: their size and mtime then, so that a rerun skips them while
-    # they are unchanged (known_bad: skipped again without reading, unless retry_skipped=true)
+    # files refused for themselves (unreadable, too large, too small): their size and mtime
+    # then, so that a rerun skips them while they and the refusing settings are unchanged
+    # (known_bad: skipped again without reading, unless retry_skipped=true)
     unreadable: bool | None = None
     source_bytes: int | None = None
     source_mtime_ns: int | None = None
@@ -795,7 +796,7 @@ td img{width:100%%;height:auto;max-width:%(t)dpx;display:block}
 .sw{display:inline-block;width:.9em;height:.9em;border:1px solid #555;vertical-align:middle;margin:1px}
 .sw.fg{outline:2px solid #111;outline-offset:1px}
 .key{font-size:80%%;color:#444;margin-top:2px}
-.failed td:first-child{width:40%%}
+.skipped td:first-child{width:40%%}
 @media (max-width:900px){body{padding:.5em}table{min-width:760px}}
 """
 
@@ -865,7 +866,8 @@ def source_link(source_path: str, root: str | os.PathLike) -> str:
 def render_gallery(
     root: str | os.PathLike,
     records: Sequence[ImageRecord],
-    failed: Sequence[dict[str, str]] = (),
+    skipped: Sequence[dict[str, str]] = (),
+    ignored: Sequence[dict[str, str]] = (),
     title: str = "segment",
     summary: Sequence[tuple[str, str]] = (),
     thumb_size: int = 256,
@@ -874,7 +876,8 @@ def render_gallery(
     """The HTML of the static gallery: a legend (heatmap colour bar, mask, overlay and label
     keys), one row per image (image | heatmap | mask | overlay, plus labels with a
     foreground/background key for region methods), thumbnails linking to the full-size
-    files, then the files that could not be used with the reason. All links are relative.
+    files, then the ``skipped`` images (that could not be segmented) and the ``ignored``
+    files (not images), each ``{"path", "reason"}``. All links are relative.
 
     The layout fits the window (columns share its width, thumbnails scale down; at least
     1,280 px show every column without scrolling) and names wrap only after separators."""
@@ -915,10 +918,12 @@ def render_gallery(
             )
         out.append("<tr>" + "".join(cells) + "</tr>")
     out.append("</tbody></table></div>")
-    if failed:
-        out.append(f'<h2>Not processed ({len(failed)})</h2><div class="wrap"><table class="failed">'
+    for heading, files in (("Skipped", skipped), ("Ignored", ignored)):
+        if not files:
+            continue
+        out.append(f'<h2>{heading} ({len(files)})</h2><div class="wrap"><table class="skipped">'
                    "<tr><th>file</th><th>reason</th></tr>")
-        for f in failed:
+        for f in files:
             out.append(f"<tr><td class=\"name\" title=\"{e(f['path'])}\">{_name_html(f['path'])}</td><td>{e(f['reason'])}</td></tr>")
         out.append("</table></div>")
     out.append("</body></html>")

@@ -2,8 +2,9 @@
 
 :func:`list_input` lists the input (and takes the output folder's lock), :func:`plan_items`
 decides per image of this rank's share: resumed (its record is current,
-:func:`current_record`), skipped again (an earlier run found the file unreadable and it is
-unchanged, :func:`known_unreadable`), or to segment (an :class:`Item` for the stage runner,
+:func:`current_record`), skipped again (an earlier run refused the file, as unreadable, too
+large or too small, and neither the file nor the refusing settings changed since,
+:func:`known_unreadable`), or to segment (an :class:`Item` for the stage runner,
 :mod:`segment.run.stages`). The decisions go into the run's :class:`~segment.run.state.RunState`.
 """
 
@@ -21,7 +22,7 @@ from segment.run.dist import DistContext
 from segment.run.io import ImageFile, InputError, Listing, LoadedImage, find_images
 from segment.run.lock import OutputLock
 from segment.run.outputs import ImageRecord, ImageStatus, load_record, record_is_current
-from segment.run.state import RunSettings, RunState
+from segment.run.state import RunSettings, RunState, refusal_key
 
 __all__ = ["Item", "current_record", "known_unreadable", "list_input", "log_plan", "plan_items"]
 
@@ -38,7 +39,7 @@ class Item:
     loaded: LoadedImage | None = None
     pixels: Tensor | None = None  # (3, H, W) preprocessed
     error: str | None = None
-    unreadable: bool = False  # the error is the file's own (read_image), not a setting's
+    unreadable: bool = False  # refused for the file itself (unreadable, too large or too small), not the model
     read_s: float = 0.0
 
 
@@ -68,16 +69,17 @@ def list_input(input_path: Path, out: Path, lock: OutputLock) -> Listing:
 
 def plan_items(files: list[ImageFile], settings: RunSettings, state: RunState) -> list[Item]:
     """The images of ``files`` to segment: not those with a current record (resume), nor the
-    files an earlier run found unreadable that are unchanged since (size and mtime; unless
-    ``retry_skipped`` or ``overwrite``). The others get their status (and a resumed image
-    its record) in ``state``; ``state.known_bad`` counts the unreadable ones skipped again."""
+    files an earlier run refused that are unchanged since (size and mtime, and the settings
+    that refused them: :func:`known_unreadable`; unless ``retry_skipped`` or ``overwrite``).
+    The others get their status (and a resumed image its record) in ``state``;
+    ``state.known_bad`` counts the refused ones skipped again."""
     todo = []
     bad = {} if settings.retry_skipped else known_unreadable(settings, state.input_root)
     for f in files:
         try:
             st = f.path.stat()
         except OSError as e:
-            state.statuses[f.name] = ImageStatus(f.name, f.rel, "failed", f"cannot be read: {e.strerror or e}")
+            state.statuses[f.name] = ImageStatus(f.name, f.rel, "skipped", f"cannot be read: {e.strerror or e}")
             continue
         item = Item(file=f, source_bytes=st.st_size, source_mtime_ns=st.st_mtime_ns)
         if not settings.overwrite:
@@ -89,7 +91,7 @@ def plan_items(files: list[ImageFile], settings: RunSettings, state: RunState) -
         was = bad.get(f.rel)
         if was is not None and (was.get("source_bytes"), was.get("source_mtime_ns")) == (st.st_size, st.st_mtime_ns):
             state.statuses[f.name] = ImageStatus(
-                f.name, f.rel, "failed", str(was.get("reason", "unreadable")), unreadable=True,
+                f.name, f.rel, "skipped", str(was.get("reason", "unreadable")), unreadable=True,
                 source_bytes=st.st_size, source_mtime_ns=st.st_mtime_ns, known_bad=True)
             state.known_bad += 1
             continue
@@ -98,13 +100,15 @@ def plan_items(files: list[ImageFile], settings: RunSettings, state: RunState) -
 
 
 def known_unreadable(settings: RunSettings, input_root: Path | None) -> dict[str, dict[str, Any]]:
-    """The files the last run.json of this output lists as unreadable (source -> status),
-    when it read the same input with the same ``max_pixels`` (which decides some of them)."""
+    """The files the last run.json of this output lists as refused (``unreadable``: not an
+    image, corrupt, too large or too small; source -> status), when it read the same input
+    with the same refusing settings (``max_pixels``, ``min_size`` and, without ``min_size``,
+    the model, whose patch is the smallest image: :func:`~segment.run.state.refusal_key`)."""
     try:
         man = json.loads((settings.out / "run.json").read_text("utf-8"))
         if man.get("input") != str(input_root):
             return {}
-        if (man.get("config") or {}).get("max_pixels") != settings.max_pixels:
+        if refusal_key(man.get("config") or {}) != settings.refusals:
             return {}
         return {s["source"]: s for s in man.get("images", []) if s.get("unreadable")}
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
@@ -133,6 +137,7 @@ def log_plan(state: RunState, settings: RunSettings, ctx: DistContext, input_pat
         f"({input_path})" if input_path.is_file() else f"under {state.input_root}", done_before,
         "" if not settings.overwrite else " (overwrite=true: redoing all)", len(todo),
         f", {state.known_bad} known-bad file{'' if state.known_bad == 1 else 's'} skipped again (unchanged "
-        "since run.json listed them as unreadable; retry_skipped=true reads them again)" if state.known_bad else "",
+        f"since run.json listed {'it' if state.known_bad == 1 else 'them'} as refused; retry_skipped=true reads "
+        f"{'it' if state.known_bad == 1 else 'them'} again)" if state.known_bad else "",
         settings.out,
     )

@@ -118,7 +118,7 @@ class RankReport:
         count = lambda s: sum(v["status"] == s for v in self.statuses.values())  # noqa: E731
         return {
             "rank": self.rank, "images": self.images, "segmented": count("done"),
-            "resumed": count("resumed"), "failed": count("failed"), "interrupted": self.interrupted,
+            "resumed": count("resumed"), "skipped": count("skipped"), "interrupted": self.interrupted,
             "error": self.error, "device": self.device, "timings": self.timings,
         }
 
@@ -134,8 +134,8 @@ def finish(state: RunState, settings: RunSettings, ctx: DistContext, code: int) 
 
     Every rank sends its statuses and timings to rank 0 (:func:`merge`). Rank 0 takes the
     other ranks' statuses into ``state``, marks the unfinished share of a rank that stopped
-    on an error as failed, and loads from disk the current record of every image another
-    rank reported done or resumed (one that it cannot find is failed with the reason), so
+    on an error as skipped, and loads from disk the current record of every image another
+    rank reported done or resumed (one that it cannot find is skipped with the reason), so
     the run files it writes next list every image; ``state.ranks`` gets each rank's summary.
 
     Args:
@@ -165,10 +165,10 @@ def finish(state: RunState, settings: RunSettings, ctx: DistContext, code: int) 
         if r.error and not r.interrupted and r.fault is None and r.rank != 0 and state.input_root is not None:
             for f in state.files[r.rank :: ctx.world_size]:  # its unfinished share
                 if f.name not in state.statuses:
-                    state.statuses[f.name] = ImageStatus(f.name, f.rel, "failed", f"rank {r.rank} stopped: {r.error}")
+                    state.statuses[f.name] = ImageStatus(f.name, f.rel, "skipped", f"rank {r.rank} stopped: {r.error}")
     for f in state.files:  # the records the other ranks wrote, read back from disk
         st = state.statuses.get(f.name)
-        if f.name in state.records or st is None or st.status == "failed":
+        if f.name in state.records or st is None or st.status == "skipped":
             continue
         try:
             stat = f.path.stat()
@@ -179,7 +179,7 @@ def finish(state: RunState, settings: RunSettings, ctx: DistContext, code: int) 
         if rec is not None:
             state.records[f.name] = rec
         else:
-            st.status, st.reason = "failed", (
+            st.status, st.reason = "skipped", (
                 f"reported {st.status} by a rank, but rank 0 finds no current record in {settings.out}"
                 " (the output folder must be on a file system every node sees)")
             log.error("%s: %s", f.rel, st.reason)

@@ -256,7 +256,7 @@ class StageRunner:
 
     def _finish_write(self, item: Item, fut: Future) -> None:
         """The outcome of one image's write; raises OutputFault when the output file
-        system refused it (the image is then neither done nor failed: a rerun does it)."""
+        system refused it (the image is then neither done nor skipped: a rerun does it)."""
         state = self.state
         try:
             rec = fut.result()
@@ -308,6 +308,7 @@ class StageRunner:
             if h < mh or w < mw:
                 what = (f"one {mh}x{mw} patch of {self.segmenter.backbone.name}" if not s.min_size
                         else f"min_size={s.min_size}")
+                item.unreadable = True  # the file's own size: skipped again while it and the settings are unchanged
                 raise ImageReadError(item.file.path, f"image is {w}x{h} px, smaller than {what}")
             item.loaded = loaded
             item.pixels = self.segmenter.preprocess(loaded.image)
@@ -362,7 +363,7 @@ class StageRunner:
     def _write(self, item: Item, out: MethodOutput, index: int) -> ImageRecord:
         """Writer thread: post-process at the original size, write files and record. Once
         the output file system has refused a write, the images still queued are not
-        started (they raise :class:`OutputFault`: neither done nor failed, a rerun does them)."""
+        started (they raise :class:`OutputFault`: neither done nor skipped, a rerun does them)."""
         if self.refused.is_set():
             raise OutputFault
         s = self.settings
@@ -380,10 +381,11 @@ class StageRunner:
             raise
 
     def _fail_item(self, item: Item, reason: str, unreadable: bool = False) -> None:
-        """``item`` could not be segmented; an ``unreadable`` file keeps its size and mtime
-        in run.json, so a rerun skips it while it is unchanged (see
+        """``item`` could not be segmented; a file refused for itself (``unreadable``: not an
+        image, corrupt, too large or too small) keeps its size and mtime in run.json, so a
+        rerun skips it while it and the refusing settings are unchanged (see
         :func:`segment.run.plan.plan_items`)."""
-        st = ImageStatus(item.file.name, item.file.rel, "failed", reason)
+        st = ImageStatus(item.file.name, item.file.rel, "skipped", reason)
         if unreadable:
             st.unreadable, st.source_bytes, st.source_mtime_ns = True, item.source_bytes, item.source_mtime_ns
         self.state.statuses[item.file.name] = st

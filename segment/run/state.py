@@ -20,21 +20,37 @@ from segment.core.masks import label_upsampling_setting
 from segment.run.io import ImageFile
 from segment.run.outputs import ImageRecord, ImageStatus, RenderOptions
 
-__all__ = ["RunSettings", "RunState", "Timings", "config_fingerprint"]
+__all__ = ["RunSettings", "RunState", "Timings", "config_fingerprint", "refusal_key"]
+
+
+def _clean(node: Any) -> Any:
+    """A config node as plain data, ``device`` left out (it decides no output)."""
+    if node is None:
+        return None
+    d = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    if isinstance(d, dict):
+        d = {k: v for k, v in d.items() if k != "device"}
+    return d
+
+
+def refusal_key(cfg: Any) -> str:
+    """Hash of the settings that decide whether a readable image is refused: ``max_pixels``
+    and ``min_size``, and with ``min_size: null`` (one patch of the model) the model config
+    (``device`` left out). ``cfg``: a composed ``segment`` config or run.json's ``config``.
+    A file an earlier run refused is not read again while its size, its mtime and this key
+    are unchanged (:func:`segment.run.plan.known_unreadable`)."""
+    get = cfg.get
+    min_size = get("min_size")
+    blob = {"max_pixels": get("max_pixels"), "min_size": min_size,
+            "model": _clean(get("model")) if min_size is None else None}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def config_fingerprint(cfg: DictConfig) -> str:
     """Hash of what decides an image's outputs: the model and method configs (``device``
     left out), the rendering options and ``label_upsampling``. Records with another
     fingerprint are redone."""
-    def clean(node: Any) -> Any:
-        if node is None:
-            return None
-        d = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-        if isinstance(d, dict):
-            d = {k: v for k, v in d.items() if k != "device"}
-        return d
-
+    clean = _clean
     blob = {
         "model": clean(cfg.get("model")),
         "method": clean(cfg.get("method")),
@@ -57,10 +73,11 @@ class RunSettings:
         max_pixels: refuse larger images (``None``: Pillow's limit).
         min_size: refuse images with a smaller side (``None``: one patch of the model).
         overwrite: redo images whose record is current.
-        retry_skipped: read again the files an earlier run found unreadable (also with
-            ``overwrite``).
+        retry_skipped: read again the files an earlier run refused (unreadable, too large,
+            too small; also with ``overwrite``).
         progress: a tqdm bar on stderr (rank 0 only).
         fingerprint: :func:`config_fingerprint` of the config.
+        refusals: :func:`refusal_key` of the config.
         input_desc: the input as given (``bundled examples`` without ``input=``).
     """
 
@@ -74,6 +91,7 @@ class RunSettings:
     retry_skipped: bool
     progress: bool
     fingerprint: str
+    refusals: str
     input_desc: str
 
     @classmethod
@@ -104,7 +122,7 @@ class RunSettings:
             out=out, opts=opts, batch_size=batch_size, num_workers=num_workers,
             max_pixels=cfg.get("max_pixels"), min_size=cfg.get("min_size"), overwrite=overwrite,
             retry_skipped=retry or overwrite, progress=bool(cfg.get("progress", True)) and is_main,
-            fingerprint=config_fingerprint(cfg),
+            fingerprint=config_fingerprint(cfg), refusals=refusal_key(cfg),
             input_desc="bundled examples" if cfg.get("input") is None else str(cfg.input),
         )
 
@@ -141,9 +159,9 @@ class RunState:
         ignored: the other files of the input and why (``(relative path, reason)``).
         input_root: the folder the input was listed from (``None`` before the scan).
         mine: this rank's share of ``files`` (all of them in one process).
-        statuses: per image name, what became of it (done, resumed, failed).
+        statuses: per image name, what became of it (done, resumed, skipped).
         records: per image name, its record (made now or by an earlier run).
-        known_bad: unreadable files skipped again without reading (see
+        known_bad: refused files skipped again without reading (see
             :func:`segment.run.plan.plan_items`).
         timings: seconds per part of the run.
         device: the device the model runs on, once built.

@@ -42,14 +42,18 @@ def outcome(state: RunState) -> int:
     ``state.error`` when none could be processed)."""
     n_ok = state.count("done", "resumed")
     n_resumed = state.count("resumed")
-    n_failed = state.count("failed")
+    n_skipped = state.count("skipped")
     if n_ok == 0:
-        state.error = f"none of the {len(state.files)} images could be processed; see the reasons above and in run.json"
+        n = len(state.files)
+        state.error = (f"none of the {n} images could be segmented" if n != 1
+                       else "the one image could not be segmented") + (
+            "; see the reasons in run.json" if n_skipped == state.known_bad
+            else "; see the reasons above and in run.json")
         log.error(state.error)
         return EXIT_NOTHING_DONE
-    # the word the per-file warnings and the README use for images that could not be done
-    log.info("done: %d segmented, %d resumed, %d skipped%s", n_ok - n_resumed, n_resumed, n_failed,
-             "" if not n_failed else " (reasons in run.json)" if n_failed == state.known_bad
+    # "skipped": the one word of the per-file warnings, run.json, the gallery and the README
+    log.info("done: %d segmented, %d resumed, %d skipped%s", n_ok - n_resumed, n_resumed, n_skipped,
+             "" if not n_skipped else " (reasons in run.json)" if n_skipped == state.known_bad
              else " (reasons above and in run.json)")
     return EXIT_OK
 
@@ -73,19 +77,20 @@ def write_summary(state: RunState, settings: RunSettings, cfg: DictConfig, code:
     except OSError as e:
         log.error("cannot create the output folder %s: %s", settings.out, e)
         return
-    failed = [
-        {"path": s.source, "reason": s.reason or ""} for s in state.statuses.values() if s.status == "failed"
+    skipped = [
+        {"path": s.source, "reason": s.reason or ""}
+        for f in state.files if (s := state.statuses.get(f.name)) is not None and s.status == "skipped"
     ]
-    skipped = failed + [{"path": p, "reason": r} for p, r in state.ignored]
+    ignored = [{"path": p, "reason": r} for p, r in state.ignored]
     if state.files:
-        _write_coco_and_gallery(state, settings, skipped, model_name=model_name, method_name=method_name)
-    manifest = _manifest(state, settings, cfg, code, failed=failed, skipped=skipped, model_name=model_name,
+        _write_coco_and_gallery(state, settings, skipped, ignored, model_name=model_name, method_name=method_name)
+    manifest = _manifest(state, settings, cfg, code, skipped=skipped, ignored=ignored, model_name=model_name,
                          method_name=method_name, started_s=ts)
     write_run_file(state, settings, "run.json", write_manifest, manifest)
 
 
-def _write_coco_and_gallery(state: RunState, settings: RunSettings, skipped: list[dict[str, str]], *,
-                            model_name: str, method_name: str) -> None:
+def _write_coco_and_gallery(state: RunState, settings: RunSettings, skipped: list[dict[str, str]],
+                            ignored: list[dict[str, str]], *, model_name: str, method_name: str) -> None:
     out = settings.out
     records = [state.records[f.name] for f in state.files if f.name in state.records]
     write_run_file(state, settings, "annotations.json", write_coco, records, info={
@@ -95,18 +100,31 @@ def _write_coco_and_gallery(state: RunState, settings: RunSettings, skipped: lis
         "input": str(state.input_root),
     })
     if write_run_file(
-        state, settings, "index.html", write_gallery, records, failed=skipped, title=f"segment: {out.name}",
+        state, settings, "index.html", write_gallery, records, skipped=skipped, ignored=ignored,
+        title=f"segment: {out.name}",
         summary=[
             ("input", str(state.input_root)), ("model", str(model_name)), ("method", str(method_name)),
-            ("images", f"{len(records)} segmented of {len(state.files)}; {len(skipped)} file(s) not used"),
+            ("images", images_line(len(records), len(state.files), len(skipped), len(ignored))),
         ],
         thumb_size=settings.opts.thumb_size, colormap=settings.opts.colormap,
     ):
         state.gallery = out / "index.html"
 
 
+def images_line(segmented: int, found: int, skipped: int, ignored: int) -> str:
+    """The gallery's count of the input, e.g. ``3 segmented of 4 images; 1 skipped; 2 other
+    files ignored`` (skipped: images that could not be segmented; ignored: files that are
+    not images; parts that are zero are left out)."""
+    line = f"{segmented} segmented of {found} image{'' if found == 1 else 's'}"
+    if skipped:
+        line += f"; {skipped} skipped"
+    if ignored:
+        line += f"; {ignored} other file{'' if ignored == 1 else 's'} ignored"
+    return line
+
+
 def _manifest(state: RunState, settings: RunSettings, cfg: DictConfig, code: int, *,
-              failed: list[dict[str, str]], skipped: list[dict[str, str]], model_name: str, method_name: str,
+              skipped: list[dict[str, str]], ignored: list[dict[str, str]], model_name: str, method_name: str,
               started_s: float) -> dict[str, Any]:
     """run.json's content (``started_s``: when the summary began, for its ``summary_s``)."""
     n_new = state.count("done")
@@ -135,8 +153,8 @@ def _manifest(state: RunState, settings: RunSettings, cfg: DictConfig, code: int
             "found": len(state.files),
             "segmented": n_new,
             "resumed": state.count("resumed"),
-            "failed": len(failed),
-            "ignored": len(state.ignored),
+            "skipped": len(skipped),
+            "ignored": len(ignored),
         },
         "device": device_info(state.device),
         "timings": timings,
@@ -144,6 +162,7 @@ def _manifest(state: RunState, settings: RunSettings, cfg: DictConfig, code: int
         "versions": package_versions(),
         "images": statuses,
         "skipped": skipped,
+        "ignored": ignored,
     }
     if state.ranks is not None:  # torchrun: one entry per rank (counts, device, timings)
         manifest["world_size"] = len(state.ranks)
