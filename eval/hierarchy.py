@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -372,8 +371,8 @@ class _Levels:
         """``(F,)`` the level's region of every finest region, numbered in order of first
         appearance (so one partition has one merge whatever its ids); ``None`` when the level
         is not a merge of the finest regions (not nested)."""
-        _, c = _contiguous(lab)
-        m = np.zeros(len(self.fine_ids), dtype=np.int64)
+        c = lab.ravel()
+        m = np.zeros(len(self.fine_ids), dtype=c.dtype)
         m[self.fine] = c
         if not np.array_equal(m[self.fine], c):
             return None
@@ -384,10 +383,11 @@ class _Levels:
 
 
 def _merged_rows(table: np.ndarray, merge: np.ndarray) -> np.ndarray:
-    """``(C, G)`` sums of the rows of ``table`` (``(F, G)``) by ``merge`` (``(F,)`` in ``0 .. C-1``)."""
-    out = np.zeros((int(merge.max()) + 1, table.shape[1]), dtype=table.dtype)
-    np.add.at(out, merge, table)
-    return out
+    """``(C, G)`` sums of the rows of ``table`` (``(F, G)``) by ``merge`` (``(F,)``, every
+    value of ``0 .. C-1`` present)."""
+    order = np.argsort(merge, kind="stable")
+    starts = np.flatnonzero(np.r_[True, np.diff(merge[order]) != 0])
+    return np.add.reduceat(table[order], starts, axis=0)
 
 
 class _RegionScorer:
@@ -543,6 +543,12 @@ def _percentiles(x: np.ndarray, level: float = 0.95) -> list[float]:
     return [float(v) for v in np.percentile(x, [tail, 100.0 - tail])]
 
 
+def _t_range(picked: np.ndarray) -> list[float]:
+    """The 95% range of the thresholds the draws picked (percentiles, rounded to 1e-9 so
+    that a grid's 0.15 does not print as 0.15000000000000002)."""
+    return [round(v, 9) for v in _percentiles(picked)]
+
+
 def _region_rows(label: str, images: Sequence[ImageScores], default: float | None, reps: int,
                  seed: int) -> tuple[list[dict], list[dict]]:
     a = _region_arrays(images)
@@ -581,7 +587,7 @@ def _region_rows(label: str, images: Sequence[ImageScores], default: float | Non
     ci = t_ci = None
     if draws is not None:
         ci = {m: _percentiles(draws[m].min(1) if lower[m] else draws[m].max(1)) for m in lower}
-        t_ci = {m: _percentiles(ts[_pick(draws[m], lower[m])]) for m in lower}
+        t_ci = {m: _t_range(ts[_pick(draws[m], lower[m])]) for m in lower}
     row("ODS", {m: curves[m][best[m]] for m in lower}, {m: ts[best[m]] for m in lower}, ci, t_ci,
         a.regions[:, best["Covering"]])
     # OIS: each image at its own best threshold
@@ -661,7 +667,7 @@ def _multiclass_rows(label: str, images: Sequence[ImageScores], default: float |
         row("default", j, None if draws is None else _percentiles(draws[:, j]), None)
     j = int(np.argmax(miou))
     row("ODS", j, None if draws is None else _percentiles(draws.max(1)),
-        None if draws is None else _percentiles(ts[np.argmax(draws, axis=1)]))
+        None if draws is None else _t_range(ts[np.argmax(draws, axis=1)]))
     curve_rows = [{"method": label, "threshold": float(t), "mIoU": 100.0 * float(miou[j]),
                    "pixAcc": 100.0 * sums[j].ACC, "regions_median": median_count(regions[:, j]),
                    "regions": float(regions[:, j].mean())} for j, t in enumerate(ts)]
@@ -906,7 +912,6 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     if args.out is not None:
         res.write(args.out, title=f"{args.label}, {args.root.name} {args.split}")
-        atomic_write_text(args.out / "command.json", json.dumps({"argv": sys.argv[1:] if argv is None else argv}) + "\n")
     print(res.markdown(), end="")
     return 0
 
