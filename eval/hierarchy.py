@@ -2,7 +2,7 @@
 
 A hierarchical method returns, per image, every partition at once: anything with
 ``labels_at(t) -> (H, W)`` integer labels and ``heights`` (the sorted exact values of ``t``
-at which the partition changes) is a :class:`Hierarchy`: the tree of escape cuts (finer as
+at which the partition changes) is a :class:`HierarchyLike`: the tree of escape cuts (finer as
 ``t`` grows) and a BSDS ``ucm2`` map (:class:`UCM`, coarser as ``t`` grows) alike.
 
 Per image and threshold (:func:`score_image`):
@@ -40,7 +40,7 @@ thresholded as ``bench/benchmarks/evaluation_reg_image.m`` does (``bwlabel(ucm2 
 
     python -m segment.eval.hierarchy ucm2 /data/bsds-dev [--split val] [--out DIR] [--exact]
 
-reproduces the ODS / OIS table of ``bsds-dev/REFERENCE.md`` (``tests/test_hierarchy.py``).
+reproduces the ODS / OIS table of ``bsds-dev/REFERENCE.md`` (``tests/test_eval_hierarchy.py``).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from segment.eval.metrics import (
     MulticlassState,
     RegionState,
     _contiguous,
+    _np,
     hungarian_state,
     median_count,
     region_state_of_tables,
@@ -82,7 +83,7 @@ LEVELS = ("default", "ODS", "OIS", "OIS exact")
 
 
 @runtime_checkable
-class Hierarchy(Protocol):
+class HierarchyLike(Protocol):
     """What the evaluator needs of a hierarchy of one image.
 
     Attributes:
@@ -96,8 +97,39 @@ class Hierarchy(Protocol):
     heights: np.ndarray
 
     def labels_at(self, t: float) -> np.ndarray:
-        """``(H, W)`` integer region ids of the partition at threshold ``t`` (any ids)."""
+        """``(H, W)`` integer region ids of the partition at threshold ``t`` (any ids; a
+        numpy array or a torch tensor)."""
         ...
+
+
+class OnLeafMap:
+    """A tree whose levels are given on its leaves, as a :class:`HierarchyLike` at the
+    resolution of a leaf map: ``labels_at(t) = tree.leaf_labels_at(t)[leaves]``.
+
+    Upsample (or refine) the finest level once to the ground truth's size and every level
+    follows by this lookup: the levels nest exactly at that size (each threshold upsampled on
+    its own need not), and the evaluator scores them from the finest level's tables.
+
+    Args:
+        tree: anything with ``heights`` (ascending thresholds where the partition changes)
+            and ``leaf_labels_at(t)`` (``(L,)`` the region of each leaf at ``t``; numpy or
+            torch), e.g. the tree of escape cuts.
+        leaves: ``(H, W)`` the leaf (``0 .. L-1``) of every pixel.
+    """
+
+    def __init__(self, tree: Any, leaves: np.ndarray) -> None:
+        self.tree = tree
+        self.leaves = _np(leaves).astype(np.int64)
+        if self.leaves.ndim != 2:
+            raise ValueError(f"leaves must be an (H, W) map of leaf ids, got shape {self.leaves.shape}")
+        self.heights = _np(tree.heights).astype(np.float64)
+
+    def labels_at(self, t: float) -> np.ndarray:
+        per_leaf = _np(self.tree.leaf_labels_at(t)).ravel()
+        if per_leaf.size <= int(self.leaves.max()):
+            raise ValueError(f"leaf_labels_at({t}) gives {per_leaf.size} leaves; the leaf map uses ids up to"
+                             f" {int(self.leaves.max())}")
+        return per_leaf[self.leaves]
 
 
 def exact_thresholds(heights: Sequence[float] | np.ndarray) -> np.ndarray:
@@ -105,7 +137,7 @@ def exact_thresholds(heights: Sequence[float] | np.ndarray) -> np.ndarray:
     ``heights``: each height and the next float above the largest (a split of height ``h``
     kept for ``t > h`` appears there); ``[0.0]`` for a hierarchy without a height (one
     partition)."""
-    h = np.unique(np.asarray(heights, dtype=np.float64).ravel())
+    h = np.unique(_np(heights).astype(np.float64).ravel())
     if h.size == 0:
         return np.zeros(1)
     if not np.isfinite(h).all():
@@ -128,7 +160,7 @@ def _check_thresholds(thresholds: Sequence[float] | np.ndarray) -> np.ndarray:
 
 
 class UCM:
-    """A BSDS ``ucm2`` map as a :class:`Hierarchy`, thresholded as the official region bench
+    """A BSDS ``ucm2`` map as a :class:`HierarchyLike`, thresholded as the official region bench
     does: the regions at ``t`` are the 8-connected components of ``ucm2 <= t`` (MATLAB
     ``bwlabel``) read at the odd pixels ``[1::2, 1::2]`` (coarser as ``t`` grows).
 
@@ -354,14 +386,14 @@ class _Levels:
     tables are sums of the finest's rows and a level is known by that merge (identical
     partitions are scored once)."""
 
-    def __init__(self, h: Hierarchy, shape: tuple[int, int], thresholds: np.ndarray) -> None:
+    def __init__(self, h: HierarchyLike, shape: tuple[int, int], thresholds: np.ndarray) -> None:
         self.h, self.shape = h, shape
         ends = [self.labels(float(thresholds.min())), self.labels(float(thresholds.max()))]
         fine = max(ends, key=lambda lab: int(np.unique(lab).size))
         self.fine_ids, self.fine = _contiguous(fine)  # (P,) ids 0 .. F-1 of the finest level
 
     def labels(self, t: float) -> np.ndarray:
-        lab = np.asarray(self.h.labels_at(t))
+        lab = _np(self.h.labels_at(t))
         if lab.shape != self.shape or lab.dtype.kind not in "iu":
             raise ValueError(f"{type(self.h).__name__}.labels_at({t}) returned {lab.dtype} {lab.shape}; expected"
                              f" integer labels of the ground truth's size {self.shape}")
@@ -440,7 +472,7 @@ class _MulticlassScorer:
         return self.seen[key]
 
 
-def score_image(h: Hierarchy, target: np.ndarray, thresholds: Sequence[float] | np.ndarray = TREE_THRESHOLDS,
+def score_image(h: HierarchyLike, target: np.ndarray, thresholds: Sequence[float] | np.ndarray = TREE_THRESHOLDS,
                 task: str = "regions", num_classes: int = 0, exact: bool = True) -> ImageScores:
     """One image's states of a hierarchy at every threshold.
 
@@ -835,7 +867,7 @@ def hierarchy_table(per_method: Mapping[str, Sequence[ImageScores]], default: fl
     return res
 
 
-def score_hierarchies(hierarchies: Iterable[Hierarchy], ground_truth: Iterable[np.ndarray],
+def score_hierarchies(hierarchies: Iterable[HierarchyLike], ground_truth: Iterable[np.ndarray],
                       thresholds: Sequence[float] | np.ndarray = TREE_THRESHOLDS, *, task: str = "regions",
                       num_classes: int = 0, label: str = "hierarchy", default: float | None = None,
                       exact: bool = True, reps: int = 1000, seed: int = 0) -> HierarchyResults:

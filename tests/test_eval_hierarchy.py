@@ -16,8 +16,9 @@ from segment.eval.hierarchy import (
     BENCH_THRESHOLDS,
     TREE_THRESHOLDS,
     UCM,
-    Hierarchy,
+    HierarchyLike,
     ImageScores,
+    OnLeafMap,
     exact_thresholds,
     hierarchy_table,
     main,
@@ -88,7 +89,7 @@ def test_every_level_equals_the_metric_of_its_labels():
     rng = np.random.default_rng(0)
     for _ in range(4):
         h = random_tree(rng)
-        assert isinstance(h, Hierarchy)
+        assert isinstance(h, HierarchyLike)
         gts = random_gts(rng)
         ts = TREE_THRESHOLDS[::3]
         im = score_image(h, gts, ts, "regions")
@@ -248,6 +249,38 @@ def test_image_scores_round_trip_and_files(tmp_path):
     assert "| m | ODS |" in md and "| m | OIS exact |" in md
     with pytest.raises(ValueError, match="same thresholds"):
         hierarchy_table({"m": [images[0], score_image(random_tree(rng), random_gts(rng), [0.5])]})
+
+
+class LeafTree:
+    """The tree's side of :class:`OnLeafMap`: torch ``heights`` and per-leaf labels."""
+
+    def __init__(self, levels: Levels):
+        import torch
+
+        self.levels = levels
+        self.heights = torch.tensor(levels.heights)
+
+    def leaf_labels_at(self, t):
+        import torch
+
+        return torch.from_numpy(self.levels.labels_at(t))
+
+
+def test_tree_levels_on_a_leaf_map():
+    rng = np.random.default_rng(12)
+    leaf_tree = random_tree(rng, shape=(12,), leaves=12)  # levels over 12 leaves
+    leaves = np.kron(rng.integers(0, 12, size=(6, 5)), np.ones((3, 3), dtype=np.int64))  # (18, 15) pixels
+    h = OnLeafMap(LeafTree(leaf_tree), leaves)
+    assert isinstance(h, HierarchyLike) and h.heights.dtype == np.float64
+    gts = random_gts(rng, (18, 15))
+    im = score_image(h, gts, TREE_THRESHOLDS[::4])
+    for t, st in zip(TREE_THRESHOLDS[::4], im.states):
+        ref = region_state(leaf_tree.labels_at(t)[leaves], gts)
+        _close_region(st, ref)
+    with pytest.raises(ValueError, match="leaf ids"):
+        OnLeafMap(LeafTree(leaf_tree), np.zeros(5, dtype=int))
+    with pytest.raises(ValueError, match="gives 12 leaves"):
+        OnLeafMap(LeafTree(leaf_tree), leaves + 1).labels_at(1.0)
 
 
 def test_labels_of_the_wrong_size_are_refused():
