@@ -414,6 +414,12 @@ class _Levels:
         return rank[inv.ravel()]
 
 
+def _copy(state: RegionState | MulticlassState) -> Any:
+    """A state of its own (a partition reached at several thresholds is scored once; its
+    states must not share their lists)."""
+    return type(state).from_dict(state.to_dict())
+
+
 def _merged_rows(table: np.ndarray, merge: np.ndarray) -> np.ndarray:
     """``(C, G)`` sums of the rows of ``table`` (``(F, G)``) by ``merge`` (``(F,)``, every
     value of ``0 .. C-1`` present)."""
@@ -452,7 +458,7 @@ class _RegionScorer:
             b = self.bounds
             self.seen[key] = region_state_of_tables(
                 [(agg[:, b[k]: b[k + 1]], self.g_ids[k]) for k in range(len(self.g_ids))])
-        return self.seen[key]
+        return _copy(self.seen[key])
 
 
 class _MulticlassScorer:
@@ -469,7 +475,7 @@ class _MulticlassScorer:
             if key is None:
                 return st
             self.seen[key] = st
-        return self.seen[key]
+        return _copy(self.seen[key])
 
 
 def score_image(h: HierarchyLike, target: np.ndarray, thresholds: Sequence[float] | np.ndarray = TREE_THRESHOLDS,
