@@ -1,4 +1,4 @@
-"""segment.eval.hierarchy: hierarchies scored at thresholds (ODS, OIS), the ucm2 reader.
+"""segment.eval.hierarchy: hierarchies scored at thresholds (ODS, OIS); segment.eval.ucm2: the ucm2 reader.
 
 Hand-built hierarchies with known answers; every state against the existing metric of the
 level computed directly; the bootstrap against resampled sets scored one by one; the ucm2
@@ -15,7 +15,6 @@ import scipy.io
 from segment.eval.hierarchy import (
     BENCH_THRESHOLDS,
     TREE_THRESHOLDS,
-    UCM,
     HierarchyLike,
     ImageScores,
     OnLeafMap,
@@ -23,7 +22,6 @@ from segment.eval.hierarchy import (
     hierarchy_table,
     main,
     miou_of_sums,
-    read_ucm2,
     score_hierarchies,
     score_image,
     states_at,
@@ -36,6 +34,7 @@ from segment.eval.metrics import (
     resample_counts,
     total,
 )
+from segment.eval.ucm2 import UCM, read_ucm2
 
 
 class Levels:
