@@ -1002,24 +1002,44 @@ def region_state(pred: Tensor | np.ndarray, gts: Tensor | np.ndarray | Sequence[
     if g.shape[0] < 1:
         raise ValueError("no human segmentation to score against")
     s_ids, s = _contiguous(p)
-    areas_s = np.bincount(s, minlength=len(s_ids)).astype(np.float64)
-    num, den, ri, vi = 0.0, 0, 0.0, 0.0
+    tables = []
     for gk in g:
         g_ids, gi = _contiguous(gk)
         n = np.bincount(s * len(g_ids) + gi, minlength=len(s_ids) * len(g_ids)).reshape(len(s_ids), len(g_ids))
+        tables.append((n, g_ids))
+    return region_state_of_tables(tables)
+
+
+def region_state_of_tables(tables: Sequence[tuple[np.ndarray, np.ndarray]]) -> RegionState:
+    """One image's :class:`RegionState` from its contingency tables, one per annotator: the
+    sums :func:`region_state` defines (covering with human id 0 left out, the annotator-mean
+    Rand index and VI, the region count and the pixels of small regions).
+
+    Args:
+        tables: per annotator ``(n, g_ids)``: ``n`` the ``(S, G_k)`` integer table of the
+            prediction's ``S`` regions (every row a region present in the image, the same
+            rows in every table) against the annotator's regions ``g_ids`` (ascending ids,
+            0 = unlabelled pixels).
+    """
+    if not tables:
+        raise ValueError("no human segmentation to score against")
+    areas_s = np.asarray(tables[0][0]).sum(1).astype(np.float64)
+    num, den, ri, vi = 0.0, 0, 0.0, 0.0
+    for n, g_ids in tables:
+        n = np.asarray(n)
         nf = n.astype(np.float64)
         areas_g = n.sum(0)
         iou = nf / (areas_s[:, None] + areas_g[None, :] - nf)
-        region = g_ids >= 1
+        region = np.asarray(g_ids) >= 1
         num += float((areas_g * iou.max(0))[region].sum())
         den += int(areas_g[region].sum())
         ri += rand_index(n)
         vi += variation_of_information(n)
-    k = g.shape[0]
+    k = len(tables)
     return RegionState(
         covering_num=num, covering_den=den, pri_sum=ri / k, vi_sum=vi / k, images=1,
-        region_counts=[len(s_ids)], small_px=small_pixels(areas_s.astype(np.int64)),
-        pixels=int(p.size),
+        region_counts=[len(areas_s)], small_px=small_pixels(areas_s.astype(np.int64)),
+        pixels=int(areas_s.sum()),
     )
 
 
