@@ -85,9 +85,10 @@ def source_hash(modules: Sequence[str]) -> str:
 
 
 # the Markov core every attention method runs on (regions imports it lazily) and the method
-# modules others build on (the interface, the CLS score of regions and kmeans)
+# modules others build on (the interface, the stages of regions, cuts and kmeans)
 _METHOD_CORE = ("segment.core.markov", "segment.core.regions", "segment.core.clusters",
-                "segment.methods.base", "segment.methods.attention")
+                "segment.core.stages", "segment.methods.base", "segment.methods.attention",
+                "segment.methods.stages")
 
 
 def method_key(spec: MethodSpec) -> str:

@@ -7,7 +7,7 @@ explicitly (by the tensor's device unless the caller names a back-end) and teste
 equality against the other (``tests/test_regions.py``, ``tests/test_clusters.py``):
 
 - **connected components** (:func:`components`, :func:`connected_regions`,
-  :func:`argmax_regions`): ``"skimage"`` (scikit-image's ``label``, image by image in numpy,
+  :func:`component_regions`, :func:`argmax_regions`): ``"skimage"`` (scikit-image's ``label``, image by image in numpy,
   specks absorbed by hole growth; the CPU default) or ``"kornia"`` (kornia's exact
   union-find, batched in torch, specks absorbed by max-pool growth:
   :func:`segment.core.regions.absorb_small`; the CUDA default). Both number the components
@@ -39,11 +39,13 @@ from torch import Tensor
 
 from segment.core import cuts
 from segment.core.regions import absorb_small, number_components, relabel
+from segment.core.stages import Components
 
 __all__ = [
     "ComponentsBackend",
     "EigenBackend",
     "argmax_regions",
+    "component_regions",
     "components",
     "components_backend",
     "connected_regions",
@@ -165,6 +167,24 @@ def connected_regions(labels: Tensor, min_area: int = 0,
     if min_area > 0:
         comp = absorb_small(comp, int(min_area))
     return relabel(comp)
+
+
+def component_regions(hard: Tensor, settings: Components) -> Tensor:
+    """The connected-components stage of the region methods (:class:`Components`).
+
+    Args:
+        hard: ``(B, H, W)`` integer regions (every pixel's most likely one).
+        settings: ``connectivity`` false: ``hard`` renumbered ``0 .. K_b - 1`` per image
+            (:func:`segment.core.regions.relabel`); true: its :func:`connected_regions`, with
+            components under ``min_area`` of the image absorbed (back-end by the device).
+
+    Returns:
+        ``(B, H, W)`` long labels on ``hard.device``.
+    """
+    area = settings.min_pixels(tuple(hard.shape[-2:]))
+    if area is None:
+        return relabel(hard)
+    return connected_regions(hard, min_area=area)
 
 
 def argmax_regions(maps: Tensor, counts: Sequence[int], size: tuple[int, int],

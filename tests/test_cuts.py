@@ -197,7 +197,7 @@ def test_escape_cuts_without_a_cut_fall_back_to_the_score_split():
     method = EscapeCuts(escape=1e-4, layers=[0], refine_steps=0)
     out = method(rec)
     assert [len(e) for e in out.escape] == [1]
-    score = F.interpolate(method._stage.score_map(rec).unsqueeze(1), size=(32, 32),
+    score = F.interpolate(method.score_map(rec).unsqueeze(1), size=(32, 32),
                           mode="bilinear", align_corners=False)[0, 0]
     assert torch.equal(to_masks(out, (32, 32))[1][0], score > score.mean())
     assert same(out.labels[0], (score > score.mean()).long())

@@ -480,7 +480,7 @@ def test_unknown_class_falls_back_per_image_and_is_counted(tmp_path, counting, m
 # ------------------------------------------------------------------------------ multi-class
 
 
-@dataclass
+@dataclass(frozen=True)
 class QuantileRegions(ClsAttention):
     """Test region method: CLS attention split into 3 quantile bins (labels), top bin = fg."""
 

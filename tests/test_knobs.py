@@ -362,7 +362,7 @@ def test_the_knob_test_catches_a_dead_knob(backbones):
     """The machinery itself: a knob the method ignores is reported."""
     from segment.methods import ClsAttention
 
-    @dataclass
+    @dataclass(frozen=True)
     class Ignores(ClsAttention):
         gain: float = 1.0  # never read
 

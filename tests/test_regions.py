@@ -13,6 +13,7 @@ from segment import backends
 from segment.core import regions as rg
 from segment.core.masks import to_masks
 from segment.core.record import AttentionRecord, Capture, TokenLayout
+from segment.core.stages import refine_assignment
 from segment.methods import ClsAttention, ClsKeyChain, RegionGrow
 
 
@@ -943,14 +944,16 @@ def test_refine_scale_runs_the_chain_on_the_smaller_grid():
     pixels = torch.rand(2, 3, 24, 32, generator=g)
     kw = dict(refine_radius=4, refine_dilation=2, sigma_space=3.0, sigma_color=0.2, refine_steps=2)
     up = torch.nn.functional.interpolate
-    half = RegionGrow(**kw, refine_scale=0.5)._refine(grid_prob, pixels, (24, 32))
+    half = refine_assignment(grid_prob, pixels, (24, 32),
+                             RegionGrow(**kw, refine_scale=0.5).refinement)
     small = rg.pixel_chain_refine(
         up(grid_prob, size=(12, 16), mode="bilinear", align_corners=False),
         pixels.view(2, 3, 12, 2, 16, 2).mean((3, 5)), radius=2, dilation=1, sigma_space=1.5,
         sigma_color=0.2, steps=2)
     torch.testing.assert_close(half, up(small, size=(24, 32), mode="bilinear", align_corners=False),
                                atol=1e-6, rtol=0)
-    full = RegionGrow(**kw, refine_scale=1.0)._refine(grid_prob, pixels, (24, 32))
+    full = refine_assignment(grid_prob, pixels, (24, 32),
+                             RegionGrow(**kw, refine_scale=1.0).refinement)
     ref = rg.pixel_chain_refine(up(grid_prob, size=(24, 32), mode="bilinear", align_corners=False),
                                 pixels, radius=4, dilation=2, sigma_space=3.0, sigma_color=0.2,
                                 steps=2)
@@ -968,4 +971,4 @@ def test_refine_scale_refuses_windows_that_do_not_scale():
         RegionGrow(refine_scale=0.5, refine_radius=5)
     with pytest.raises(ValueError, match="refine_dilation=1 px into 0.5 px"):
         RegionGrow(refine_scale=0.5, refine_dilation=1)
-    assert RegionGrow(refine_scale=0.25)._refine_px() == (2, 1, 1.25)
+    assert RegionGrow(refine_scale=0.25).refinement.window() == (2, 1, 1.25)

@@ -168,7 +168,7 @@ from segment.methods import ClsAttention
 CALLS = []
 
 
-@dataclass
+@dataclass(frozen=True)
 class DieOnRankOne(ClsAttention):
     """CLS attention that kills its own process (SIGKILL, as the kernel's OOM killer does)
     on torchrun rank 1 when asked for its second batch."""

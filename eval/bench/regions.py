@@ -1,15 +1,41 @@
 """``python -m segment.eval.bench regions``: the region stage against the forward of the same batch
-(see the package docstring); ``--eigen torch scipy``: the cuts' eigensolvers in the same rounds."""
+(see the package docstring); ``--eigen torch scipy``: the cuts' eigensolvers in the same rounds.
+
+The "of which pixel refinement" column is the method's time less that of the same method
+with ``refine_steps=0`` (:func:`without_refinement`, a copy by ``dataclasses.replace``)."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import fields, replace
 
 import torch
 from segment.eval.bench.common import best_time, example_image, find_weights
+
+from segment.core.masks import MethodOutput
+from segment.core.record import AttentionRecord
+from segment.methods import EscapeCuts, Method, RegionGrow
+
+# the pixel chain's knobs besides refine_steps: inactive (and refused off their defaults)
+# without it
+_PIXEL_CHAIN = ("refine_radius", "refine_dilation", "refine_scale", "sigma_space", "sigma_color")
+
+
+def without_refinement(method: EscapeCuts | RegionGrow) -> EscapeCuts | RegionGrow:
+    """``method`` with ``refine_steps=0`` and the pixel chain's other knobs it has at their
+    defaults (they act only with the chain): everything else as it is."""
+    defaults = {f.name: f.default for f in fields(method) if f.name in _PIXEL_CHAIN}
+    return replace(method, refine_steps=0, **defaults)
+
+
+def stage(method: Method, eigen: str) -> Callable[[AttentionRecord], MethodOutput]:
+    """The method's call, with the cuts' eigensolver ``eigen`` (``"-"``: a method without)."""
+    if isinstance(method, EscapeCuts) and eigen != "-":
+        return lambda rec: method(rec, eigen=eigen)  # type: ignore[arg-type]
+    return method
 
 
 def bench_regions(argv: Sequence[str]) -> None:
@@ -18,7 +44,6 @@ def bench_regions(argv: Sequence[str]) -> None:
     from segment.models.vit import TimmViT
 
     from segment.backends import eigen_backend
-    from segment.methods.cuts import EscapeCuts
 
     p = argparse.ArgumentParser(prog="python -m segment.eval.bench regions")
     p.add_argument("--sizes", type=int, nargs="+", default=[224, 448])
@@ -57,20 +82,14 @@ def bench_regions(argv: Sequence[str]) -> None:
                         image_size=size, device=str(device))
         x = model.collate([img] * args.batch).to(device)
         cap = method.capture(model.num_layers)
-        refine = getattr(method, "refine_steps", 0)
-
-        def no_refine() -> object:
-            method.refine_steps = 0
-            try:
-                return method(rec)
-            finally:
-                method.refine_steps = refine
+        refines = isinstance(method, (EscapeCuts, RegionGrow)) and int(method.refine_steps) > 0
+        plain = without_refinement(method) if refines else None
 
         def timed(eigen: str) -> tuple[float, float | None]:
-            if eigen != "-":
-                method.eigen_backend = eigen
-            return (best_time(lambda: method(rec), device),
-                    best_time(no_refine, device) if refine else None)
+            full = stage(method, eigen)
+            bare = stage(plain, eigen) if plain is not None else None
+            return (best_time(lambda: full(rec), device),
+                    best_time(lambda: bare(rec), device) if bare is not None else None)
 
         with torch.no_grad():
             rec = model.extract(x, cap)
@@ -94,7 +113,7 @@ def bench_regions(argv: Sequence[str]) -> None:
         for e, eigen in enumerate(eigens):
             t_reg = statistics.median(r[2][e][0] for r in rounds)
             ratio = statistics.median(r[2][e][0] / r[0] for r in rounds)
-            t_noref = statistics.median(r[2][e][1] for r in rounds) if refine else t_reg
+            t_noref = statistics.median(r[2][e][1] for r in rounds) if refines else t_reg
             print(f"| {size} | {rec.layout.num_tokens} | {eigen} | {1e3 * t_fwd / b:.1f} | "
                   f"{1e3 * t_ext / b:.1f} | {1e3 * t_reg / b:.1f} | {ratio:.2f} | "
                   f"{1e3 * (t_reg - t_noref) / b:.1f} |", flush=True)

@@ -14,7 +14,7 @@ from segment.core.record import AttentionRecord, Capture, TokenLayout
 from segment.methods.base import Method, as_compute, grid_part, start_distribution
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClsAttention(Method):
     """CLS attention: the query tokens' attention row over the patches (``[s^T A]_grid``).
 
@@ -29,9 +29,15 @@ class ClsAttention(Method):
         return super()._fused(attn, layout)
 
     def _heat(self, attn: Tensor, record: AttentionRecord) -> Tensor:
-        s = start_distribution(record, attn.shape[-1], attn.dtype, attn.device)
-        rows = (s[:, None, None, :] @ attn)[:, :, 0]  # (B, H', N), H' = 1 unless heads=mean
-        return grid_part(rows.mean(1), record.layout)
+        return query_rows(attn, record)
+
+
+def query_rows(attn: Tensor, record: AttentionRecord) -> Tensor:
+    """``(B, h*w)`` the query tokens' attention row over the grid, ``[s^T A]_grid``, the mean
+    over the ``H'`` heads of ``attn`` ``(B, H', N, N)`` (``s``: :func:`start_distribution`)."""
+    s = start_distribution(record, attn.shape[-1], attn.dtype, attn.device)
+    rows = (s[:, None, None, :] @ attn)[:, :, 0]  # (B, H', N)
+    return grid_part(rows.mean(1), record.layout)
 
 
 def keychain_step(record: AttentionRecord, heat: Tensor, layers: Sequence[int], temperature: float,
@@ -67,7 +73,7 @@ def keychain_step(record: AttentionRecord, heat: Tensor, layers: Sequence[int], 
     return torch.stack(out).mean(0).view(b, h, w)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClsKeyChain(ClsAttention):
     """CLS attention smoothed by one step of the key chain (``cls_keychain`` of the dev
     sets' REFERENCE.md, the strongest simple peer there).
@@ -105,7 +111,7 @@ class ClsKeyChain(ClsAttention):
         return MethodOutput(heatmap=heat)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Rollout(Method):
     """Attention rollout (baseline): ``[s^T Â_{L-1} ... Â_0]_grid``.
 

@@ -147,6 +147,75 @@ def as_compute(x: Tensor) -> Tensor:
     return x.to(markov.compute_dtype(x.dtype))
 
 
+def layer_tuple(layers: Sequence[int] | int | None, name: str, knob: str = "layers"
+                ) -> tuple[int, ...] | None:
+    """A layer selection as a tuple of ints (``None`` = all layers); an empty one is refused."""
+    if layers is None:
+        return None
+    out = (layers,) if isinstance(layers, int) else tuple(layers)
+    if not out:
+        raise ValueError(f"{name}: {knob} must be a non-empty list or null (= all)")
+    return tuple(int(i) for i in out)
+
+
+def resolve_layers(record: AttentionRecord, layers: Sequence[int] | None, name: str
+                   ) -> tuple[int, ...]:
+    """The ascending layer indices ``layers`` (negative from the end, ``None`` = all) select
+    in ``record``; ``name`` names the caller in the error."""
+    n = record.num_layers
+    if n is None:
+        if layers is None or any(i < 0 for i in layers):
+            raise ValueError(
+                f"{name}: layers {layers} need the backbone's depth, but the"
+                " record has no num_layers; build it with AttentionReducer"
+            )
+        return tuple(sorted(set(layers)))
+    return Capture(layers=layers).resolve(n)
+
+
+def check_fused_heads(record: AttentionRecord, layer: int, attn: Tensor, *, heads: str,
+                      fuse_first: bool, name: str, fuse: str | None = None) -> None:
+    """Refuse heads fused while capturing when the caller cannot use them.
+
+    Args:
+        record, layer, attn: the record and one of its layers' attention ``(B, H', N, N)``.
+        heads: the head fusion the caller needs (``"mean"`` or ``"lambda2"``).
+        fuse_first: whether the caller fuses the heads into the chain first (else it needs
+            every head).
+        name: the caller, for the error; fuse: its ``fuse`` setting, for the error.
+    """
+    w = record.head_weights.get(layer)
+    if attn.shape[1] != 1 or w is None or w.shape[-1] < 2:
+        return
+    scheme = record.head_fusion
+    if scheme is None:  # a hand-built record: uniform weights are the mean
+        uniform = bool(torch.allclose(w, torch.full_like(w, 1.0 / w.shape[-1])))
+        scheme = "mean" if uniform else "lambda2"
+    if not fuse_first:
+        raise ValueError(
+            f"{name}: fuse={fuse} needs every head, but the"
+            f" heads of layer {layer} were fused while capturing ({scheme}); capture with"
+            " Capture(heads='keep'), e.g. method.capture(num_layers) or Capture.union"
+        )
+    if scheme != heads:
+        raise ValueError(
+            f"{name}: needs heads={heads}, but layer {layer} was captured with"
+            f" heads fused by {scheme}; capture with method.capture(num_layers)"
+        )
+
+
+def fused_patch_chain(attn: Tensor, layout: TokenLayout, heads: str) -> Tensor:
+    """``(B, n, n)`` the patch chain of ``(B, H, N, N)`` attention with its heads fused by
+    ``heads`` (``"mean"``: :func:`mean_patch_chain`; ``"lambda2"``: each head's
+    :func:`patch_chain` weighted by :func:`grid_weights`); one head: its patch chain."""
+    if heads == "mean" and attn.shape[1] > 1:
+        return mean_patch_chain(attn, layout)
+    chain = patch_chain(as_compute(attn), layout)  # (B, H, n, n)
+    if chain.shape[1] == 1:
+        return chain[:, 0]
+    return markov.fuse_heads(chain, grid_weights(chain, heads))
+
+
 def refuse_inactive(method: Any, rules: Iterable[tuple[str, bool, str]]) -> None:
     """Refuse a knob set off its default where the method's other settings give it nothing
     to do (every knob changes the output or is refused: ``seed_stride=4`` with ``seeds:
@@ -178,7 +247,7 @@ def refuse_inactive(method: Any, rules: Iterable[tuple[str, bool, str]]) -> None
 # --------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class Method(abc.ABC):
     """A heatmap method over attention records.
 
@@ -188,6 +257,11 @@ class Method(abc.ABC):
         heads: head fusion, ``"mean"`` or ``"lambda2"``.
         average_layers: average the selected layers' chains before the method (``True``) or
             average the per-layer heatmaps (``False``).
+
+    Methods are frozen dataclasses (a subclass is declared ``@dataclass(frozen=True)``;
+    ``__post_init__`` normalises a field with ``object.__setattr__``):
+    ``dataclasses.replace(method, knob=value)`` gives a changed copy, validated again, so no
+    field set after construction can be ignored.
     """
 
     name: str = "method"
@@ -203,14 +277,10 @@ class Method(abc.ABC):
     backbones: ClassVar[frozenset[str]] = frozenset({"vit", "dit"})
 
     def __post_init__(self) -> None:
-        if self.layers is not None:
-            layers = (self.layers,) if isinstance(self.layers, int) else tuple(self.layers)
-            if not layers:
-                raise ValueError(f"{self.name}: layers must be a non-empty list or null (= all)")
-            self.layers = tuple(int(i) for i in layers)
+        object.__setattr__(self, "layers", layer_tuple(self.layers, self.name))
         if self.heads not in HEADS:
             raise ValueError(f"{self.name}: heads must be one of {HEADS}, got {self.heads!r}")
-        self.average_layers = bool(self.average_layers)
+        object.__setattr__(self, "average_layers", bool(self.average_layers))
         if self.average_layers and self._averages_layers and self.layers is not None \
                 and len(set(self.layers)) == 1:
             raise ValueError(
@@ -262,36 +332,12 @@ class Method(abc.ABC):
     # reading the record -------------------------------------------------------------------
 
     def _resolve(self, record: AttentionRecord) -> tuple[int, ...]:
-        n = record.num_layers
-        if n is None:
-            if self.layers is None or any(i < 0 for i in self.layers):
-                raise ValueError(
-                    f"{self.name}: layers {self.layers} need the backbone's depth, but the"
-                    " record has no num_layers; build it with AttentionReducer"
-                )
-            return tuple(sorted(set(self.layers)))
-        return Capture(layers=self.layers).resolve(n)
+        return resolve_layers(record, self.layers, self.name)
 
     def _check_heads(self, record: AttentionRecord, layer: int, attn: Tensor) -> None:
         """Refuse heads fused while capturing when this method cannot use them."""
-        w = record.head_weights.get(layer)
-        if attn.shape[1] != 1 or w is None or w.shape[-1] < 2:
-            return
-        scheme = record.head_fusion
-        if scheme is None:  # a hand-built record: uniform weights are the mean
-            uniform = bool(torch.allclose(w, torch.full_like(w, 1.0 / w.shape[-1])))
-            scheme = "mean" if uniform else "lambda2"
-        if not self._fuse_first:
-            raise ValueError(
-                f"{self.name}: fuse={getattr(self, 'fuse', None)} needs every head, but the"
-                f" heads of layer {layer} were fused while capturing ({scheme}); capture with"
-                " Capture(heads='keep'), e.g. method.capture(num_layers) or Capture.union"
-            )
-        if scheme != self.heads:
-            raise ValueError(
-                f"{self.name}: needs heads={self.heads}, but layer {layer} was captured with"
-                f" heads fused by {scheme}; capture with method.capture(num_layers)"
-            )
+        check_fused_heads(record, layer, attn, heads=self.heads, fuse_first=self._fuse_first,
+                          name=self.name, fuse=getattr(self, "fuse", None))
 
     def _fused(self, attn: Tensor, layout: TokenLayout) -> Tensor:
         """``(B, H, N, N)`` -> ``(B, 1, N, N)`` when this method fuses the chain first."""

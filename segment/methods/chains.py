@@ -32,7 +32,7 @@ _CONVERGED: contextvars.ContextVar[list[Tensor] | None] = contextvars.ContextVar
 _DIRECTIONS = ("forward", "source")
 
 
-@dataclass
+@dataclass(frozen=True)
 class _ChainMethod(Method):
     """A method run on the grid chain or on the joint chain over every token (module doc).
 
@@ -120,7 +120,7 @@ class _ChainMethod(Method):
         return (w.unsqueeze(-1) * heat).sum(1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Bounce(_ChainMethod):
     """``steps`` bounces from the query tokens.
 
@@ -146,8 +146,8 @@ class Bounce(_ChainMethod):
         super().__post_init__()
         if int(self.steps) < 1:
             raise ValueError(f"{self.name}: steps must be >= 1, got {self.steps}")
-        self.steps = int(self.steps)
-        self.alpha = markov.validate_alpha(self.alpha)
+        object.__setattr__(self, "steps", int(self.steps))
+        object.__setattr__(self, "alpha", markov.validate_alpha(self.alpha))
         if self.chain == "grid" and self.alpha != 1.0:
             raise ValueError(
                 f"{self.name}: alpha={self.alpha} damps the joint chain only; use chain=joint"
@@ -169,7 +169,7 @@ class Bounce(_ChainMethod):
         ).last[..., 0, :]
 
 
-@dataclass
+@dataclass(frozen=True)
 class TokenRank(_ChainMethod):
     """TokenRank: stationary distribution of the damped chain.
 
@@ -198,7 +198,7 @@ class TokenRank(_ChainMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.alpha = markov.validate_alpha(self.alpha)
+        object.__setattr__(self, "alpha", markov.validate_alpha(self.alpha))
         if int(self.max_iter) < 1 or not float(self.tol) > 0:
             raise ValueError(
                 f"{self.name}: need max_iter >= 1 and tol > 0, got {self.max_iter}, {self.tol}"

@@ -14,7 +14,7 @@ from segment.core.record import AttentionRecord, Capture
 from segment.methods.base import Method
 
 
-@dataclass
+@dataclass(frozen=True)
 class ConceptAttention(Method):
     """ConceptAttention's heatmap of the class concept (concept 0).
 
@@ -47,8 +47,8 @@ class ConceptAttention(Method):
             )
         if int(self.concept) < 0:
             raise ValueError(f"{self.name}: concept must be >= 0, got {self.concept}")
-        self.concept = int(self.concept)
-        self.normalize_concepts = bool(self.normalize_concepts)
+        object.__setattr__(self, "concept", int(self.concept))
+        object.__setattr__(self, "normalize_concepts", bool(self.normalize_concepts))
         if self.blur is not None:
             vals = list(self.blur) if not isinstance(self.blur, (int, float, str)) else [self.blur]
             if len(vals) != 2:
@@ -60,7 +60,7 @@ class ConceptAttention(Method):
                 raise ValueError(
                     f"{self.name}: blur needs an odd kernel >= 3 and sigma > 0, got {self.blur!r}"
                 )
-            self.blur = (int(float(k)), float(sd))
+            object.__setattr__(self, "blur", (int(float(k)), float(sd)))
 
     def capture(self, num_layers: int) -> Capture:
         """The scored layers, attention fused and averaged on the fly (not read here)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -11,18 +11,22 @@ from torch import Tensor
 
 from segment.core.masks import MethodOutput
 from segment.core.record import AttentionRecord, Capture
-from segment.methods.base import Method
-from segment.methods.regions import RegionGrow
+from segment.core.stages import Components, Refinement
+from segment.methods.base import Method, fused_patch_chain, refuse_inactive
+from segment.methods.stages import ForegroundScore, foreground_score, pixel_regions
+
+if TYPE_CHECKING:
+    from segment.backends import EigenBackend
 
 # What `cuts` fixes (docs/methods.md, "Removed knobs", gives the measured effect of each):
 # the foreground score is the CLS attention of the chain's layers after one step of their key
 # chain, the heatmap blends the mask with the scores, regions are split into connected
-# components, and the pixel chain uses the window and bandwidths of `regions`.
-FIXED = dict(chain="attention", score="keychain", heat="blend", connectivity=True,
-             refine_radius=8, refine_dilation=4, sigma_space=5.0, sigma_color=0.08)
+# components, and the pixel chain uses the window and bandwidths of `regions`' defaults.
+HEAT = "blend"
+WINDOW = dict(radius=8, dilation=4, sigma_space=5.0, sigma_color=0.08)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EscapeCuts(Method):
     """Regions = metastable sets of the attention chain, found by recursive normalized cuts.
 
@@ -51,9 +55,6 @@ class EscapeCuts(Method):
 
     name: str = "cuts"
     gives_labels: ClassVar[bool] = True
-    # the cuts' eigensolver (segment.backends.second_eigenvectors); None: by the device.
-    # Not a knob (both give the same vectors up to rounding): the benchmark sets it
-    eigen_backend: ClassVar[str | None] = None
     _averages_layers: ClassVar[bool] = False  # refused below
     escape: float = 0.5
     key_temperature: float = 0.05
@@ -71,18 +72,44 @@ class EscapeCuts(Method):
         if isinstance(self.escape, bool) or not 0 < float(self.escape) <= 2:
             raise ValueError(f"{self.name}: escape must lie in (0, 2] (a sum of two escape"
                              f" probabilities), got {self.escape!r}")
-        # the refinement, the components and the foreground score are those of seed and
-        # grow with the settings FIXED; it validates the shared knobs
-        self._stage = RegionGrow(
-            name=self.name, layers=self.layers, heads=self.heads, score_layers=self.layers,
-            key_temperature=self.key_temperature, refine_steps=self.refine_steps,
-            refine_scale=self.refine_scale, min_area=self.min_area, **FIXED)
+        try:  # the stages' settings validate their own knobs
+            self.refinement, self.components, self.scoring  # noqa: B018
+        except ValueError as e:
+            raise ValueError(f"{self.name}: {e}") from None
+        refuse_inactive(self, [("refine_scale", int(self.refine_steps) > 0,
+                                "refine_steps >= 1 (the pixel chain)")])
+
+    # the stages' settings ------------------------------------------------------------------
+
+    @property
+    def refinement(self) -> Refinement:
+        """The pixel refinement: ``refine_steps`` at ``refine_scale``, the window fixed."""
+        return Refinement(steps=self.refine_steps, scale=self.refine_scale, **WINDOW)
+
+    @property
+    def components(self) -> Components:
+        """Connected components, specks under ``min_area`` absorbed."""
+        return Components(connectivity=True, min_area=self.min_area)
+
+    @property
+    def scoring(self) -> ForegroundScore:
+        """The CLS attention of ``layers`` after one step of their key chain."""
+        return ForegroundScore(layers=self.layers, keychain=True,
+                               key_temperature=self.key_temperature)
 
     def capture(self, num_layers: int) -> Capture:
-        return self._stage.capture(num_layers)
+        mine = Capture(layers=Capture(layers=self.layers).resolve(num_layers),
+                       heads="keep" if self.heads == "lambda2" else "mean")
+        return mine.union(self.scoring.capture(num_layers), num_layers)
 
     def pixel_knobs(self) -> tuple[str, ...]:
-        return self._stage.pixel_knobs()
+        """``refine_steps`` when the pixel chain runs (``>= 1``): it walks the input image."""
+        return (f"refine_steps={int(self.refine_steps)}",) if int(self.refine_steps) >= 1 else ()
+
+    def score_map(self, record: AttentionRecord) -> Tensor:
+        """``(B, h, w)`` the foreground score on the grid
+        (:func:`segment.methods.stages.foreground_score` with :attr:`scoring`)."""
+        return foreground_score(record, self.scoring, self.name)
 
     def cut_affinity(self, record: AttentionRecord) -> Tensor:
         """``(B, n, n)`` the symmetric ``W`` of the reversible chain the regions are cut on."""
@@ -93,22 +120,34 @@ class EscapeCuts(Method):
             if i not in record.attn:
                 raise ValueError(f"{self.name}: layer {i} was not captured ({record.layers})")
             self._check_heads(record, i, record.attn[i])
-            ws.append(cuts.reversibilise(self._stage.attention_chain(record.attn[i],
-                                                                      record.layout)))
+            ws.append(cuts.reversibilise(fused_patch_chain(record.attn[i], record.layout,
+                                                           self.heads)))
         return ws[0] if len(ws) == 1 else torch.stack(ws).mean(0)
 
-    def __call__(self, record: AttentionRecord) -> MethodOutput:
+    def __call__(self, record: AttentionRecord, *, eigen: EigenBackend | None = None
+                 ) -> MethodOutput:
+        """The regions, mask and heatmap of the record (class docstring).
+
+        Args:
+            record: the attention record (:meth:`capture`).
+            eigen: the cuts' eigensolver (:func:`segment.backends.second_eigenvectors`:
+                ``"scipy"`` or ``"torch"``); ``None``: the device's. Not a setting: both give
+                the same vectors up to rounding (``python -m segment.eval.bench regions
+                --eigen torch scipy`` times them).
+        """
         from functools import partial
 
         from segment import backends
         from segment.core import cuts
 
-        eigvec = partial(backends.second_eigenvectors, backend=self.eigen_backend)
+        eigvec = partial(backends.second_eigenvectors, backend=eigen)
         part = cuts.recursive_ncut(self.cut_affinity(record), float(self.escape), eigvec=eigvec)
         b = part.labels.shape[0]
         h, w = record.layout.grid
         grid_prob = F.one_hot(part.labels, int(part.counts.max())).to(torch.float32)
         grid_prob = grid_prob.transpose(1, 2).reshape(b, -1, h, w)  # (B, K, h, w)
-        heat, labels, foreground = self._stage.decide(record, grid_prob)
+        heat, labels, foreground = pixel_regions(
+            record, grid_prob, score=self.scoring, refine=self.refinement,
+            components=self.components, heat=HEAT, name=self.name)
         return MethodOutput(heatmap=heat, labels=labels, foreground=foreground,
                             escape=[e.to(labels.device) for e in part.escape])

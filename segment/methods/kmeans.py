@@ -12,11 +12,11 @@ from torch import Tensor
 
 from segment.core.masks import MethodOutput
 from segment.core.record import AttentionRecord, Capture
-from segment.methods.attention import ClsAttention
-from segment.methods.base import Method
+from segment.methods.base import Method, layer_tuple
+from segment.methods.stages import ForegroundScore, foreground_score
 
 
-@dataclass
+@dataclass(frozen=True)
 class KMeansKeys(Method):
     """k-means of the patch keys: the baseline of unsupervised segmentation papers.
 
@@ -55,13 +55,18 @@ class KMeansKeys(Method):
                 f"{self.name}: k, max_iter and n_init must be >= 1, got {self.k}, {self.max_iter},"
                 f" {self.n_init}"
             )
-        self._score = ClsAttention(name=f"{self.name}.score", layers=self.score_layers,
-                                   heads="mean")
+        object.__setattr__(self, "score_layers",
+                           layer_tuple(self.score_layers, self.name, "score_layers"))
+
+    @property
+    def scoring(self) -> ForegroundScore:
+        """The foreground score: the CLS attention of ``score_layers`` (mean of heads)."""
+        return ForegroundScore(layers=self.score_layers)
 
     def capture(self, num_layers: int) -> Capture:
         mine = Capture(layers=Capture(layers=self.layers).resolve(num_layers), heads="mean",
                        keys=True)
-        return mine.union(self._score.capture(num_layers), num_layers)
+        return mine.union(self.scoring.capture(num_layers), num_layers)
 
     def features(self, record: AttentionRecord) -> Tensor:
         """``(B, n, F)`` the clustered token features."""
@@ -87,7 +92,7 @@ class KMeansKeys(Method):
         k = int(self.k)
         grid = kmeans_labels(feats, k, int(self.max_iter), int(self.n_init), int(self.seed))
         onehot = F.one_hot(grid, k).to(torch.float32).transpose(1, 2).reshape(b, k, h, w)
-        cls = self._score(record).heatmap.float().to(onehot.device)  # (B, h, w)
+        cls = foreground_score(record, self.scoring, self.name).to(onehot.device)  # (B, h, w)
         score = rg.region_scores(grid.view(b, h, w), cls, k)  # (B, k) mean CLS per cluster
         prob = F.interpolate(onehot, size=tuple(record.image_size), mode="bilinear",
                              align_corners=False)

@@ -12,26 +12,26 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from segment.core import markov
-from segment.core.masks import MethodOutput, minmax
+from segment.core.masks import MethodOutput
 from segment.core.record import AttentionRecord, Capture, TokenLayout
-from segment.methods.attention import ClsAttention, keychain_step
+from segment.core.stages import HEATS, Components, Refinement
 from segment.methods.base import (
     Method,
     as_compute,
+    fused_patch_chain,
     grid_weights,
-    mean_patch_chain,
-    patch_chain,
+    layer_tuple,
     refuse_inactive,
 )
+from segment.methods.stages import ForegroundScore, foreground_score, pixel_regions
 
 _CHAINS = ("attention", "keys", "mix")
 _SEEDS = ("auto", "all", "grid", "tokenrank")
 _KEY_FUSE = ("similarity", "chain", "concat")
 _SCORES = ("cls", "keychain")
-_HEATS = ("expected", "blend")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RegionGrow(Method):
     """Seed and grow: regions as metastable states of a token chain (:mod:`segment.core.regions`).
 
@@ -49,14 +49,15 @@ class RegionGrow(Method):
        ``tau`` (``iterations`` rounds);
     4. soft assignment of tokens to proposals, upsampled to the backbone input, refined by
        ``refine_steps`` bounces of the edge-aware pixel chain (needs ``record.pixels``;
-       run at ``refine_scale`` of the input resolution, see :meth:`_refine`), argmax;
+       run at ``refine_scale`` of the input resolution:
+       :func:`segment.core.stages.refine_assignment`), argmax;
        regions split into connected components, components under
        ``min_area`` (fraction of the image) absorbed;
     5. foreground (binary tasks): a region takes the decision of the merged proposal most
        of its pixels took, a proposal being foreground when its mean score over its grid
        tokens exceeds the score map's mean; the score is the CLS attention of
        ``score_layers`` (mean of heads, ``score: cls``) or that map after one step of the layers' key chain (``score:
-       keychain``, :meth:`score_map`). The heatmap (for AP) is every pixel's expected
+       keychain``, :func:`segment.methods.stages.foreground_score`). The heatmap (for AP) is every pixel's expected
        region score ``sum_k p_k score_k`` (``heat: expected``) or the mean of that map
        (min-maxed), the score map (min-maxed) and the mask (``heat: blend``): the mask
        ranks the foreground first, the maps rank the pixels inside each side;
@@ -108,19 +109,21 @@ class RegionGrow(Method):
                     f"{self.name}: {knob} must be one of {allowed}, got {getattr(self, knob)!r}"
                 )
         for knob, low in (("steps", 1), ("max_seeds", 1), ("seed_stride", 1), ("num_seeds", 1),
-                          ("seed_radius", 0), ("iterations", 1), ("refine_steps", 0),
-                          ("refine_radius", 1), ("refine_dilation", 1)):
+                          ("seed_radius", 0), ("iterations", 1)):
             value = getattr(self, knob)
             if isinstance(value, bool) or int(value) != value or value < low:
                 raise ValueError(f"{self.name}: {knob} must be an integer >= {low}, got {value!r}")
-        for knob in ("tau", "key_temperature", "sigma_space", "sigma_color"):
+        for knob in ("tau", "key_temperature"):
             if not float(getattr(self, knob)) > 0:
                 raise ValueError(f"{self.name}: {knob} must be > 0, got {getattr(self, knob)!r}")
-        self._refine_px()  # refine_scale and the window it implies
+        object.__setattr__(self, "score_layers",
+                           layer_tuple(self.score_layers, self.name, "score_layers"))
+        try:  # the stages' settings validate their own knobs
+            self.refinement, self.components, self.scoring  # noqa: B018
+        except ValueError as e:
+            raise ValueError(f"{self.name}: {e}") from None
         if not 0.0 <= float(self.key_weight) <= 1.0:
             raise ValueError(f"{self.name}: key_weight must lie in [0, 1], got {self.key_weight}")
-        if not 0.0 <= float(self.min_area) < 1.0:
-            raise ValueError(f"{self.name}: min_area is a fraction of the image in [0, 1)")
         if self.label_tau is not None and not 0 < float(self.label_tau) <= float(self.tau):
             raise ValueError(
                 f"{self.name}: label_tau must lie in (0, tau = {self.tau}] or be null, got"
@@ -128,11 +131,29 @@ class RegionGrow(Method):
             )
         if self.score not in _SCORES:
             raise ValueError(f"{self.name}: score must be one of {_SCORES}, got {self.score!r}")
-        if self.heat not in _HEATS:
-            raise ValueError(f"{self.name}: heat must be one of {_HEATS}, got {self.heat!r}")
+        if self.heat not in HEATS:
+            raise ValueError(f"{self.name}: heat must be one of {HEATS}, got {self.heat!r}")
         refuse_inactive(self, self._conditional_knobs())
-        self._score = ClsAttention(name=f"{self.name}.score", layers=self.score_layers,
-                                   heads="mean")
+
+    # the stages' settings ------------------------------------------------------------------
+
+    @property
+    def refinement(self) -> Refinement:
+        """The pixel refinement's settings (``refine_*``, ``sigma_*``)."""
+        return Refinement(steps=self.refine_steps, radius=self.refine_radius,
+                          dilation=self.refine_dilation, scale=self.refine_scale,
+                          sigma_space=self.sigma_space, sigma_color=self.sigma_color)
+
+    @property
+    def components(self) -> Components:
+        """The connected-components stage's settings (``connectivity``, ``min_area``)."""
+        return Components(connectivity=self.connectivity, min_area=self.min_area)
+
+    @property
+    def scoring(self) -> ForegroundScore:
+        """The foreground score's settings (``score_layers``, ``score``, ``key_temperature``)."""
+        return ForegroundScore(layers=self.score_layers, keychain=self.score == "keychain",
+                               key_temperature=self.key_temperature)
 
     def _conditional_knobs(self) -> list[tuple[str, bool, str]]:
         """The knobs that act only with other settings: ``(knob, acts now, with what)``
@@ -167,35 +188,14 @@ class RegionGrow(Method):
             heads="keep" if self._needs_keys or self.heads == "lambda2" else "mean",
             keys=self._needs_keys,
         )
-        score = self._score.capture(num_layers)
-        if self.score == "keychain":  # the smoothing chain needs the score layers' keys
-            score = Capture(layers=score.layers, heads="keep", keys=True)
-        return mine.union(score, num_layers)
+        return mine.union(self.scoring.capture(num_layers), num_layers)
 
     def score_map(self, record: AttentionRecord) -> Tensor:
-        """``(B, h, w)`` the foreground score on the grid.
-
-        ``score: cls``: the CLS attention of ``score_layers`` (mean of heads).
-        ``score: keychain``: that map after one step of the key chain of the same layers
-        (:func:`keychain_step`, ``cls_keychain`` of ecssd-dev/REFERENCE.md and the
-        :class:`ClsKeyChain` method): every token takes the mean score of the tokens whose
-        keys resemble its own, so a whole object lights up, not only its most attended parts.
-        """
-        cls = self._score(record).heatmap.float()
-        if self.score == "cls":
-            return cls
-        return keychain_step(record, cls, self._score._resolve(record), float(self.key_temperature),
-                             self.name)
+        """``(B, h, w)`` the foreground score on the grid
+        (:func:`segment.methods.stages.foreground_score` with :attr:`scoring`)."""
+        return foreground_score(record, self.scoring, self.name)
 
     # the chain over grid tokens ----------------------------------------------------------
-
-    def attention_chain(self, attn: Tensor, layout: TokenLayout) -> Tensor:
-        if self.heads == "mean" and attn.shape[1] > 1:
-            return mean_patch_chain(attn, layout)
-        chain = patch_chain(as_compute(attn), layout)  # (B, H, n, n)
-        if chain.shape[1] == 1:
-            return chain[:, 0]
-        return markov.fuse_heads(chain, grid_weights(chain, self.heads))
 
     def _key_chain(self, keys: Tensor, layout: TokenLayout) -> Tensor:
         from segment.core.regions import key_chain
@@ -227,7 +227,7 @@ class RegionGrow(Method):
                 if i not in record.attn:
                     raise ValueError(f"{self.name}: layer {i} was not captured ({record.layers})")
                 self._check_heads(record, i, record.attn[i])
-                pa = self.attention_chain(record.attn[i], layout)
+                pa = fused_patch_chain(record.attn[i], layout, self.heads)
             if self.chain in ("keys", "mix"):
                 if i not in record.keys:
                     raise ValueError(
@@ -275,118 +275,14 @@ class RegionGrow(Method):
 
     def decide(self, record: AttentionRecord, grid_prob: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Steps 4-5: a soft assignment ``(B, K, h, w)`` of the grid tokens to ``K`` regions
-        -> ``(heat, labels, foreground)`` at the backbone input: refined by the pixel
-        chain, argmax, connected components, each region foreground when the region of
-        the assignment most of its pixels took scores above the image's mean score."""
-        from segment import backends
-        from segment.core import regions as rg
-
-        b = grid_prob.shape[0]
-        kp = grid_prob.shape[1]
-        cls = self.score_map(record)  # (B, h, w) foreground score on the grid
-        size = tuple(record.image_size)
-        cls_img = F.interpolate(cls.unsqueeze(1), size=size, mode="bilinear",
-                                align_corners=False)[:, 0]
-        # mean score over each proposal's tokens, on the grid
-        prop_score = rg.region_scores(grid_prob.max(1).indices, cls, kp)
-        prop_fg = prop_score > cls.flatten(1).mean(1, keepdim=True)
-
-        # a hand-built record without pixels is not refined; a backbone whose records carry
-        # none is refused with refine_steps >= 1 before it runs (segment.run.api.check_method)
-        if int(self.refine_steps) > 0 and record.pixels is not None:
-            prob = self._refine(grid_prob, record.pixels, size)
-        else:
-            prob = F.interpolate(grid_prob, size=size, mode="bilinear", align_corners=False)
-        hard = prob.max(1).indices  # (B, H, W) proposal of every pixel (max: faster than argmax)
-        if self.connectivity:
-            area = int(round(float(self.min_area) * size[0] * size[1]))
-            labels = backends.connected_regions(hard, min_area=area)
-        else:
-            labels = rg.relabel(hard)
-        k = int(labels.max()) + 1
-        cls_img = cls_img.to(labels.device)
-        # every region inherits the decision of the proposal most of its pixels took
-        votes = torch.zeros(b, k, kp, device=labels.device)
-        votes.view(b, -1).scatter_add_(
-            1, (labels * kp + hard).flatten(1), torch.ones_like(hard.flatten(1), dtype=votes.dtype)
-        )
-        foreground = torch.gather(prop_fg.to(labels.device), 1, votes.argmax(-1))
-        present = torch.zeros(b, k, dtype=torch.bool, device=labels.device)
-        present.scatter_(1, labels.flatten(1), True)
-        foreground &= present
-        # heatmap (AP): every pixel's expected proposal score under the soft assignment
-        heat = torch.bmm(prop_score.to(prob).unsqueeze(1), prob.flatten(2)).view_as(cls_img)
-        fg_px = torch.gather(foreground, 1, labels.flatten(1))
-        if self.heat == "blend":  # rank by the mask, then by the scores inside it
-            heat = (minmax(heat) + minmax(cls_img.to(heat)) + fg_px.view_as(heat).to(heat)) / 3
-        # an image whose regions all fell on one side (one region, or a uniform decision)
-        # has no foreground/background split: fall back to the protocol's pixel rule on the
-        # CLS attention (heatmap and mask), the method's floor
-        flat = fg_px.all(1) | ~fg_px.any(1)
-        if bool(flat.any()):
-            r = cls_img.flatten(1)
-            heat = torch.where(flat.view(b, 1, 1), cls_img.to(heat), heat)
-            split = (r > r.mean(1, keepdim=True)).view_as(labels).long()
-            labels = torch.where(flat.view(b, 1, 1), split, labels)
-            if foreground.shape[1] < 2:
-                foreground = F.pad(foreground, (0, 1))
-            two = torch.zeros_like(foreground)
-            two[:, 1] = True
-            foreground = torch.where(flat.view(b, 1), two, foreground)
-        return heat, labels, foreground
+        -> ``(heat, labels, foreground)`` at the backbone input
+        (:func:`segment.methods.stages.pixel_regions` with this method's stages)."""
+        return pixel_regions(record, grid_prob, score=self.scoring, refine=self.refinement,
+                             components=self.components, heat=self.heat, name=self.name)
 
     def pixel_knobs(self) -> tuple[str, ...]:
         """``refine_steps`` when the pixel chain runs (``>= 1``): it walks the input image."""
         return (f"refine_steps={int(self.refine_steps)}",) if int(self.refine_steps) >= 1 else ()
-
-    def _refine_px(self) -> tuple[int, int, float]:
-        """The pixel chain's window at ``refine_scale``: ``(radius, dilation, sigma_space)``
-        in pixels of the grid it runs on (the knobs are in pixels of the backbone input)."""
-        s = self.refine_scale
-        if isinstance(s, bool) or not 0.0 < float(s) <= 1.0:
-            raise ValueError(f"{self.name}: refine_scale must lie in (0, 1], got {s!r}")
-        s = float(s)
-        px = []
-        for knob in ("refine_radius", "refine_dilation"):
-            v = int(getattr(self, knob)) * s
-            if abs(v - round(v)) > 1e-6 or round(v) < 1:
-                raise ValueError(
-                    f"{self.name}: refine_scale={s} turns {knob}={getattr(self, knob)} px"
-                    f" into {v:g} px on the refined grid; choose values whose product with"
-                    " refine_scale is a whole number >= 1"
-                )
-            px.append(int(round(v)))
-        return px[0], px[1], float(self.sigma_space) * s
-
-    def _refine(self, grid_prob: Tensor, pixels: Tensor, size: tuple[int, int]) -> Tensor:
-        """Soft assignment ``(B, K, h, w)`` on the grid -> refined ``(B, K, H, W)`` at the
-        backbone input ``size``.
-
-        ``refine_scale`` 1: bilinear upsampling to ``size``, then the pixel chain there.
-        Below 1 the chain runs on ``round(s H) x round(s W)`` pixels: the assignment is
-        upsampled bilinearly to that size, the image area-averaged to it, the window
-        (``refine_radius``, ``refine_dilation``, ``sigma_space``, all in input pixels) scaled
-        by ``s`` so it covers the same part of the image, and the refined maps upsampled
-        bilinearly to ``size``. The pixel chain's cost falls with ``s^2`` (the joint
-        bilateral upsampling idea: edges found at a lower resolution, then interpolated).
-        """
-        from segment.core import regions as rg
-
-        radius, dilation, sigma_space = self._refine_px()
-        s = float(self.refine_scale)
-        small = size if s == 1.0 else (max(1, round(size[0] * s)), max(1, round(size[1] * s)))
-        prob = F.interpolate(grid_prob, size=small, mode="bilinear", align_corners=False)
-        image = pixels.to(prob.device)
-        if small != size:
-            image = F.adaptive_avg_pool2d(image, small)
-        prob = rg.pixel_chain_refine(
-            prob, image, radius=radius, dilation=dilation, sigma_space=sigma_space,
-            sigma_color=float(self.sigma_color), steps=int(self.refine_steps),
-            nonzero=grid_prob.flatten(2).any(2),  # bilinear upsampling keeps zero maps zero
-        )
-        if small != size:
-            prob = F.interpolate(prob, size=size, mode="bilinear", align_corners=False)
-        return prob
 
     def _finer_regions(self, dist: Tensor, kl: Tensor, labels: Tensor, foreground: Tensor,
                        grid: tuple[int, int]) -> tuple[Tensor, Tensor]:
@@ -411,7 +307,7 @@ class RegionGrow(Method):
         mask = torch.gather(foreground, 1, labels.flatten(1)).view_as(labels)
         # every pixel's most likely proposal, over the image's own proposals (they come
         # first); components and specks before the cut: the mask stays exact
-        area = int(round(float(self.min_area) * size[0] * size[1])) if self.connectivity else None
+        area = self.components.min_pixels(size)
         hard = backends.argmax_regions(grid_prob, fine.count.tolist(), size, area).to(labels.device)
         new = rg.relabel(hard * 2 + mask.long())  # each region cut along the mask
         # every region lies on one side of the mask: its pixels write that side (ids an
