@@ -320,12 +320,10 @@ def real_chains(dinov2_weights):
 
 @pytest.mark.shared
 def test_on_real_attention_the_kept_level_is_recursive_ncut_exactly(real_chains):
-    from functools import partial
-
     from segment import backends
 
     w, method = real_chains
-    eigvec = partial(backends.second_eigenvectors, backend=method.eigen_backend)
+    eigvec = backends.second_eigenvectors  # the device's default, as the method calls it
     for tau in (0.3, float(method.escape), 0.8):
         part = cuts.recursive_ncut(w, tau, eigvec=eigvec)
         trees = cuts.cut_tree(w, tau=tau, eigvec=eigvec)  # the default floor
