@@ -8,7 +8,7 @@ Per ``--min-tokens`` floor it times, per image:
   ``cut_tree(W, min_tokens, escape)`` for the tree), the method's eigensolver;
 - ``stage``: the whole region stage: today's ``EscapeCuts(record)``, and for the tree the chain,
   the tree and the pixel stage (refinement, components, foreground) run once on its leaves,
-  as the tree's method will (``EscapeCuts._stage.decide`` on the leaves' one-hot grid),
+  as the tree's method will (``segment.methods.stages.pixel_regions`` on the leaves' one-hot grid),
 
 with the ratio of each stage to the forward of the same batch (medians of the rounds' ratios).
 """
@@ -33,6 +33,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     import segment
     from segment import backends
     from segment.core import cuts
+    from segment.methods.cuts import HEAT
+    from segment.methods.stages import pixel_regions
 
     p = argparse.ArgumentParser(prog="python -m segment.eval.bench tree")
     p.add_argument("--size", type=int, default=224)
@@ -55,14 +57,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                        image_size=args.size)
     method, model = seg.method, seg.backbone
     escape = float(method.escape)
-    eigvec = partial(backends.second_eigenvectors, backend=method.eigen_backend)
+    eigvec = partial(backends.second_eigenvectors, backend=None)  # the device's, as the method's
     pixels = [seg.preprocess(Image.open(p).convert("RGB")) for p in names]
     batches = [torch.stack(pixels[i: i + args.batch]).to(device)
                for i in range(0, len(pixels), args.batch)]
     print(f"# the tree of escape cuts vs recursive_ncut (escape {escape}) and the forward: "
           f"{len(names)} ecssd-dev images at {args.size} px, batch {args.batch}, device {device},"
           f" {torch.get_num_threads()} threads, eigensolver "
-          f"{method.eigen_backend or backends.eigen_backend(device)}")
+          f"{backends.eigen_backend(device)}")
 
     def tree_stage(rec, mt: int) -> None:
         w = method.cut_affinity(rec)
@@ -70,7 +72,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         leaves = torch.stack([t.leaves for t in trees])  # (B, n)
         h, ww = rec.layout.grid
         grid = F.one_hot(leaves, int(leaves.max()) + 1).to(torch.float32)
-        method._stage.decide(rec, grid.transpose(1, 2).reshape(len(trees), -1, h, ww))
+        pixel_regions(rec, grid.transpose(1, 2).reshape(len(trees), -1, h, ww),
+                      score=method.scoring, refine=method.refinement,
+                      components=method.components, heat=HEAT, name=method.name)
 
     with torch.no_grad():
         recs = [model.extract(x, seg.capture) for x in batches]
