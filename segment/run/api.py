@@ -48,6 +48,7 @@ from segment.run.front import (
 )
 from segment.run.io import ImageReadError, read_image, to_rgb
 from segment.run.outputs import RenderOptions, Segmentation, overlay, postprocess
+from segment.run.registry import method_config
 from segment.utils import unwrap_instantiation
 
 __all__ = ["Batch", "ImageReadError", "Result", "Segmenter", "compose_config", "config_names", "load", "show",
@@ -65,7 +66,7 @@ API_KEYS = ("batch_size", "max_pixels", "label_upsampling")
 
 def compose_config(
     model: str = "dinov2_vits14",
-    method: str = "cuts",
+    method: str | Method = "cuts",
     checkpoint: str | os.PathLike | None = None,
     device: str = "auto",
     **overrides: Any,
@@ -78,20 +79,28 @@ def compose_config(
     values routed by name: a key of the model config goes to ``model.KEY``, a key of the
     method config to ``method.KEY``, ``batch_size``/``max_pixels`` to the run; dotted keys
     (``**{"model.image_size": 448}``) are taken as they are. Each is checked as the command
-    checks its arguments (:func:`segment.run.front.value_problem`).
+    checks its arguments (:func:`segment.run.front.value_problem`). A built
+    :class:`~segment.methods.base.Method` is written as the node that builds it again
+    (:func:`segment.run.registry.method_config`) and takes no overrides.
 
     Raises:
-        ValueError: for an unknown model, method or key (with a suggestion), or a key both
-            configs have (then name it ``model.KEY`` or ``method.KEY``).
+        ValueError: for an unknown model, method or key (with a suggestion), a key both
+            configs have (then name it ``model.KEY`` or ``method.KEY``), or a key of a
+            method given built.
+        TypeError: ``method`` neither a config name nor a Method.
     """
-    for group, name in (("model", model), ("method", method)):
+    built = None if isinstance(method, str) else method
+    if built is not None and not isinstance(built, Method):
+        raise TypeError(f"method must be a configs/method name (segment.list_methods()) or a"
+                        f" segment.methods.Method (segment.create_method), got {type(built).__name__}")
+    for group, name in (("model", model), ("method", method if built is None else None)):
         names = config_names(group)
-        if name not in names:
+        if name is not None and name not in names:
             raise ValueError(f"unknown {group} {name!r}{suggest(name, names)}; choose one of {names}")
-    run = compose("segment", [f"model={model}", f"method={method}"])
+    run = compose("segment", [f"model={model}"] + ([f"method={method}"] if built is None else []))
     cfg = OmegaConf.create({
         "model": run.model,
-        "method": run.method,
+        "method": run.method if built is None else method_config(built),
         "device": str(device),
         **{k: run.get(k) for k in API_KEYS},
     })
@@ -115,8 +124,15 @@ def compose_config(
             if not where:
                 names = known + [k.split(".", 1)[1] for k in known if "." in k]
                 raise ValueError(f"unknown setting {key!r}{suggest(key, names)}; the model "
-                                 f"{model!r} and the method {method!r} take: {', '.join(known)}")
+                                 f"{model!r} and the method {cfg.method.name!r} take: {', '.join(known)}")
             path = key if where[0] == "run" else f"{where[0]}.{key}"
+        if built is not None and path.startswith("method."):
+            field = path.split(".", 1)[1]
+            name = repr(built.name) if built.name in config_names("method") else "NAME"
+            raise ValueError(
+                f"{key!r} is a setting of the method {built.name!r}, which was passed built: set"
+                f" it on the method (dataclasses.replace(method, {field}=...) or"
+                f" segment.create_method({name}, {field}=...))")
         if path not in known:
             raise ValueError(f"unknown setting {path!r}{suggest(path, known)}")
         default = OmegaConf.select(cfg, path)
@@ -480,7 +496,7 @@ class Segmenter:
 
 def load(
     model: str = "dinov2_vits14",
-    method: str = "cuts",
+    method: str | Method = "cuts",
     checkpoint: str | os.PathLike | None = None,
     device: str = "auto",
     **overrides: Any,
@@ -488,21 +504,26 @@ def load(
     """A ready :class:`Segmenter` for the command's ``model=`` and ``method=`` configs.
 
     Args:
-        model: a ``configs/model`` name (``dinov2_vits14``, ``dinov2_vitb14_reg4``...).
-        method: a ``configs/method`` name (``regions``, ``bounce``, ``cls_attention``...).
+        model: a ``configs/model`` name (``dinov2_vits14``, ``dinov2_vitb14_reg4``...;
+            ``segment.list_models()``).
+        method: a ``configs/method`` name (``cuts``, ``regions``, ``bounce``...;
+            ``segment.list_methods()``), or a built method
+            (``segment.create_method("cuts", escape=0.4)``), used as it is.
         checkpoint: local weights (``model.checkpoint``); ``None`` = the hub or its cache.
         device: ``auto``, ``cpu``, ``cuda``, ``cuda:N``.
         **overrides: keys of the model or method config (``image_size=448``, ``steps=3``),
-            ``batch_size``, ``max_pixels``; dotted keys via ``**{"method.steps": 3}``.
+            ``batch_size``, ``max_pixels``; dotted keys via ``**{"method.steps": 3}``. A
+            method given built takes none (they are its fields).
 
     Raises:
         ValueError: unknown model / method / key (with a suggestion) or a bad value.
+        TypeError: ``method`` neither a config name nor a Method.
         RuntimeError: pretrained weights neither cached nor downloadable (names
             ``checkpoint=PATH`` and the cache folder).
     """
     cfg = compose_config(model, method, checkpoint=checkpoint, device=device, **overrides)
     try:
-        return Segmenter.from_config(cfg)
+        return Segmenter.from_config(cfg, method=None if isinstance(method, str) else method)
     except Exception as e:  # Hydra wraps constructor errors; give the user the real one
         cause = unwrap_instantiation(e)
         if cause is not e:
