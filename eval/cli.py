@@ -1,6 +1,6 @@
 """``segment-eval``: score methods on a benchmark (Hydra entry point; work in ``run``).
 
-:func:`segment.run.front.run_command` checks the command line and the output folder before
+:func:`segment.run.front.compose.run_command` checks the command line and the output folder before
 Hydra starts, and maps the outcome to the exit code (0 done, 2 unusable input or settings,
 130 interrupted); a run that cannot start leaves no ``outputs/eval/DATE/TIME`` behind.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from segment.run import front
+from segment.run.front import compose as front
 
 front.register_help_resolver()  # ${segment_help:segment-eval} in hydra.help.template
 

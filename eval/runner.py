@@ -126,7 +126,7 @@ def instantiate_model(cfg: DictConfig, device: torch.device) -> Backbone:
 def instantiate_dataset(cfg: DictConfig) -> Any:
     from hydra.utils import instantiate
 
-    from segment.run.front import unset_dataset_settings
+    from segment.run.front.compose import unset_dataset_settings
 
     missing = unset_dataset_settings(cfg.dataset)
     if missing:
@@ -370,10 +370,10 @@ def batch_prompts(classes: Sequence[str | None], default: str | None,
 
 
 def _build_backbone(job: ScoreJob) -> Backbone:
-    """The model, with every method checked against it (:func:`segment.run.api.check_method`:
+    """The model, with every method checked against it (:func:`segment.run.api.segmenter.check_method`:
     layers it lacks, knobs that need pixels it does not provide): before the first batch,
     one line, exit 2."""
-    from segment.run.api import check_method
+    from segment.run.api.segmenter import check_method
 
     t_build = time.perf_counter()
     backbone = instantiate_model(job.cfg, job.ctx.device)

@@ -103,7 +103,7 @@ def method_key(spec: MethodSpec) -> str:
 def compose_method(name: str) -> DictConfig:
     """The ``configs/method/<name>.yaml`` option, composed by :func:`segment.run.front.compose`
     (the one composition of every command and the API: Hydra's compose API, defaults lists work)."""
-    from segment.run.front import compose, config_names, suggest
+    from segment.run.front.compose import compose, config_names, suggest
 
     names = config_names("method")
     if name not in names:
@@ -117,7 +117,7 @@ def compose_method(name: str) -> DictConfig:
 def _with_knobs(config: str, knobs: dict[str, Any], where: str) -> DictConfig:
     """``configs/method/<config>.yaml`` with ``knobs`` set; a knob the config does not have is
     a one-line :class:`ConfigError` naming the entry, the knob and the closest one."""
-    from segment.run.front import suggest
+    from segment.run.front.compose import suggest
 
     node = compose_method(config)
     unknown = [str(k) for k in knobs if str(k) not in node]

@@ -20,11 +20,11 @@ __all__ = [*_API, "diagnose", "__version__"]
 
 def __getattr__(name: str) -> Any:
     if name in _API:
-        from segment.run import api
+        from segment.run.api import segmenter as api
 
         return getattr(api, name)
     if name == "diagnose":
-        from segment.run.diagnose import diagnose
+        from segment.run.diagnose.measure import diagnose
 
         return diagnose
     raise AttributeError(f"module 'segment' has no attribute {name!r}")

@@ -67,7 +67,7 @@ def test_api_tiny_model_rows_are_the_image_mean_of_the_core_measures():
     diag = segment.diagnose(images, model="vit_tiny_random", device="cpu")
     assert diag.difference() == [] and len(diag.models) == 1
     # a random model is drawn anew at each build: measure one built model twice
-    from segment.run.diagnose import _build, _model_config, measure_model
+    from segment.run.diagnose.measure import _build, _model_config, measure_model
 
     bb = _build(_model_config("vit_tiny_random", None, "cpu", {}), "cpu")
     m = measure_model(bb, images, ["image 0", "image 1"])

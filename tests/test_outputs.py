@@ -1,4 +1,4 @@
-"""segment.run.outputs: post-processing, per-image files, COCO, gallery, atomic writes."""
+"""segment.run.job.outputs: post-processing, per-image files, COCO, gallery, atomic writes."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from pycocotools.coco import COCO
 
 import segment.utils
 from segment.core.masks import MethodOutput, threshold_mean
-from segment.run import outputs
-from segment.run.outputs import (
+from segment.run.job import outputs
+from segment.run.job.outputs import (
     BACKGROUND_ID,
     FOREGROUND_ID,
     RenderOptions,
@@ -461,7 +461,7 @@ def test_thumbnails_are_small_for_big_images(tmp_path):
 def test_gallery_legend_and_region_keys(tmp_path):
     """The colour bar is the run's colour map; under each label map, the regions the
     method called foreground are ringed, the others plain, in their palette colours."""
-    from segment.run.outputs import colormap_lut, palette
+    from segment.run.job.outputs import colormap_lut, palette
 
     seg = _region_seg(20, 30)
     rec = write_image(tmp_path, "sub/long_name-with parts", _image(20, 30), seg, FAST, **_fields("r"))

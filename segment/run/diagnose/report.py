@@ -23,7 +23,7 @@ from segment.core.diagnostics import MEASURES
 from segment.utils import atomic_write_text
 
 if TYPE_CHECKING:
-    from segment.run.diagnose import Diagnosis, ModelDiagnostics
+    from segment.run.diagnose.measure import Diagnosis, ModelDiagnostics
 
 __all__ = ["render_report", "write_report", "metastable_order"]
 
@@ -139,7 +139,7 @@ def _tokenrank_maps(m: ModelDiagnostics) -> str:
 
 
 def _summary_table(diag: Diagnosis) -> str:
-    from segment.run.diagnose import DESCRIPTIONS
+    from segment.run.diagnose.measure import DESCRIPTIONS
 
     names = [m.name for m in diag.models]
     sums = [m.summary() for m in diag.models]

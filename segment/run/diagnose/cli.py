@@ -1,7 +1,7 @@
 """``segment-diagnose``: attention diagnostics as a report (Hydra entry point; the work is
-in :func:`segment.run.diagnose.run_diagnose`).
+in :func:`segment.run.diagnose.measure.run_diagnose`).
 
-:func:`segment.run.front.run_command` checks the command line and the output folder before
+:func:`segment.run.front.compose.run_command` checks the command line and the output folder before
 Hydra starts, and maps the outcome to the exit code (0 done, 1 no image could be read, 2
 unusable input or settings, 130 interrupted).
 """
@@ -11,14 +11,14 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from segment.run import front
+from segment.run.front import compose as front
 
 front.register_help_resolver()  # ${segment_help:segment-diagnose} in hydra.help.template
 
 
 def run(cfg: DictConfig) -> int:
     """Diagnose the attention of ``cfg.model`` on ``cfg.input``; returns the exit code."""
-    from segment.run.diagnose import run_diagnose
+    from segment.run.diagnose.measure import run_diagnose
 
     return run_diagnose(cfg)
 

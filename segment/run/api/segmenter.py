@@ -1,6 +1,6 @@
 """The Python API: ``segment.load(...)`` gives a :class:`Segmenter`; calling it on images
 gives :class:`Result` objects. The ``segment`` command runs through the same object
-(:class:`segment.run.pipeline.SegmentRun` calls :meth:`Segmenter.preprocess`,
+(:class:`segment.run.job.pipeline.SegmentRun` calls :meth:`Segmenter.preprocess`,
 :meth:`Segmenter.extract`, :meth:`Segmenter.apply` and :meth:`Segmenter.postprocess`, the
 stages of :meth:`Segmenter.forward`), so the masks of the API and of the command cannot
 drift apart.
@@ -38,7 +38,7 @@ from segment.core.masks import MethodOutput, label_upsampling_setting
 from segment.core.record import AttentionRecord, Capture
 from segment.methods.base import Method
 from segment.models.base import Backbone
-from segment.run.front import (
+from segment.run.front.compose import (
     compose,
     config_names,
     run_value_problem,
@@ -47,7 +47,7 @@ from segment.run.front import (
     value_problem,
 )
 from segment.run.io import ImageReadError, read_image, to_rgb
-from segment.run.outputs import RenderOptions, Segmentation, overlay, postprocess
+from segment.run.job.outputs import RenderOptions, Segmentation, overlay, postprocess
 from segment.utils import unwrap_instantiation
 
 __all__ = ["Batch", "ImageReadError", "Result", "Segmenter", "compose_config", "config_names", "load", "show",
@@ -78,7 +78,7 @@ def compose_config(
     values routed by name: a key of the model config goes to ``model.KEY``, a key of the
     method config to ``method.KEY``, ``batch_size``/``max_pixels`` to the run; dotted keys
     (``**{"model.image_size": 448}``) are taken as they are. Each is checked as the command
-    checks its arguments (:func:`segment.run.front.value_problem`).
+    checks its arguments (:func:`segment.run.front.compose.value_problem`).
 
     Raises:
         ValueError: for an unknown model, method or key (with a suggestion), or a key both
@@ -175,7 +175,7 @@ class Result:
         )
 
     def segmentation(self) -> Segmentation:
-        """Back to the command's :class:`~segment.run.outputs.Segmentation` (for the writers)."""
+        """Back to the command's :class:`~segment.run.job.outputs.Segmentation` (for the writers)."""
         return Segmentation(heatmap=self.heatmap, mask=self.mask,
                             labels=None if self.labels is None else self.labels.astype(np.int32, copy=False),
                             foreground=self.foreground, escape=self.escape)

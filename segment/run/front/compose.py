@@ -18,7 +18,7 @@ and prints a traceback of its log handler when the output cannot be written. So
    folders it created (``outputs/eval/DATE/TIME``): nothing is left behind.
 
 :func:`compose` is the one way to a config: the commands' pre-check, the Python API
-(:func:`segment.run.api.compose_config`) and the evaluator's ``methods=[NAME]`` entries
+(:func:`segment.run.api.segmenter.compose_config`) and the evaluator's ``methods=[NAME]`` entries
 compose through it (Hydra's compose API on the installed ``configs/``). It also provides
 the ``--help`` text (``hydra.help.template`` in ``configs/segment.yaml``
 and ``configs/eval.yaml`` interpolates ``${segment_help:COMMAND}``).
@@ -314,7 +314,7 @@ def compose(command: str, args: Sequence[str] = ()) -> DictConfig:
     """The config of ``command`` for the ``KEY=VALUE`` arguments ``args``: the one way in.
 
     ``segment``, ``segment-eval`` and ``segment-diagnose`` (:func:`run_command`, before
-    Hydra's job), the Python API (:func:`segment.run.api.compose_config`) and the
+    Hydra's job), the Python API (:func:`segment.run.api.segmenter.compose_config`) and the
     evaluator's ``methods=[NAME]`` entries (:func:`segment.eval.specs.compose_method`) all
     compose here, by Hydra's compose API
     (:func:`hydra_compose`) from ``configs/<name>.yaml`` (:data:`CONFIG_NAMES`), and the
@@ -504,7 +504,7 @@ class FolderInUse(Exception):
 
 
 def check_not_busy(output: Path) -> None:
-    """Refuse an output folder that a live run holds (:mod:`segment.run.lock`); the run
+    """Refuse an output folder that a live run holds (:mod:`segment.run.job.lock`); the run
     itself takes the lock later, so two runs started at once are told apart there.
 
     Raises:
@@ -512,7 +512,7 @@ def check_not_busy(output: Path) -> None:
     """
     if not (output / ".segment.lock").exists():  # = lock.LOCK_NAME; the usual case: no imports
         return
-    from segment.run.lock import busy_message, holder
+    from segment.run.job.lock import busy_message, holder
 
     h = holder(output)
     if h is not None:

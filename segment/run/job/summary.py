@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from segment.run.outputs import (
+from segment.run.job.outputs import (
     OutputWriteError,
     device_info,
     package_versions,
@@ -26,13 +26,13 @@ from segment.run.outputs import (
     write_gallery,
     write_manifest,
 )
-from segment.run.state import RunSettings, RunState
+from segment.run.job.state import RunSettings, RunState
 from segment.utils import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 
 __all__ = ["EXIT_NOTHING_DONE", "config_dict", "fault_line", "final_line", "outcome", "write_run_file",
            "write_summary"]
 
-log = logging.getLogger("segment.run.pipeline")  # the run's lines keep one logger name
+log = logging.getLogger("segment.run.job.pipeline")  # the run's lines keep one logger name
 
 EXIT_NOTHING_DONE = EXIT_FAILED
 

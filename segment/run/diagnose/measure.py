@@ -10,7 +10,7 @@ same images, and the report shows the two side by side with the per-measure diff
 Files written by the command (``output=DIR``): ``diagnostics.json`` (settings, one row per
 model, layer and head, per-image rows when ``per_image=true``, the difference of the
 models), ``diagnostics.csv`` (the head rows), ``per_image.csv`` (with ``per_image=true``)
-and ``report.html`` (:mod:`segment.run.report`).
+and ``report.html`` (:mod:`segment.run.diagnose.report`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from PIL import Image
 from segment.core import diagnostics as dg
 from segment.core.record import Capture
 from segment.models.base import Backbone
-from segment.run.front import config_names, suggest
+from segment.run.front.compose import config_names, suggest
 from segment.run.io import ImageReadError, InputError, bundled_examples, find_images, read_image
 from segment.utils import (
     EXIT_BAD_INPUT,
@@ -240,7 +240,7 @@ def measure_model(
 
 def _model_config(name: str, checkpoint: str | os.PathLike | None, device: str,
                   overrides: dict[str, Any], what: str = "model") -> DictConfig:
-    from segment.run.api import compose_config
+    from segment.run.api.segmenter import compose_config
 
     names = config_names("model")
     if name not in names:
@@ -300,7 +300,7 @@ def diagnose(
         ValueError: an unknown model or key (with a suggestion), or no images.
         ImageReadError: a file that cannot be read.
     """
-    from segment.run.api import to_image
+    from segment.run.api.segmenter import to_image
 
     if isinstance(images, (str, os.PathLike)) and Path(images).expanduser().is_dir():
         listing = find_images(images)
@@ -374,7 +374,7 @@ def write_files(diag: Diagnosis, out: str | os.PathLike, *, per_image: bool = Fa
         paths["per_image"] = folder / "per_image.csv"
         atomic_write_text(paths["per_image"], _csv([r for m in diag.models for r in m.image_rows()]))
     if report:
-        from segment.run.report import write_report
+        from segment.run.diagnose.report import write_report
 
         paths["report"] = write_report(diag, folder / "report.html")
     return paths

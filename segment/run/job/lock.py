@@ -10,7 +10,7 @@ network file systems that support it (NFSv4, Lustre with ``-o flock``); where it
 supported, a lock file of this host whose process is gone is stale, and one of another
 host is honoured (the message names the file to delete if that run is gone).
 
-Under ``torchrun`` rank 0 holds the lock for the whole run (:mod:`segment.run.shard`): the
+Under ``torchrun`` rank 0 holds the lock for the whole run (:mod:`segment.run.job.shard`): the
 ranks of one run are one run.
 """
 

@@ -1,6 +1,6 @@
 """``segment``: segment a folder of images (Hydra entry point; the work is in ``run``).
 
-:func:`segment.run.front.run_command` checks the command line and the output folder before
+:func:`segment.run.front.compose.run_command` checks the command line and the output folder before
 Hydra starts, and maps the outcome to the exit code (0 done, 1 nothing processed, 2
 unusable input or settings, 130 interrupted).
 """
@@ -10,14 +10,14 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from segment.run import front
+from segment.run.front import compose as front
 
 front.register_help_resolver()  # ${segment_help:segment} in hydra.help.template
 
 
 def run(cfg: DictConfig) -> int:
     """Segment every image under ``cfg.input`` into ``cfg.output``; returns the exit code."""
-    from segment.run.pipeline import run_segment
+    from segment.run.job.pipeline import run_segment
 
     return run_segment(cfg)
 
