@@ -79,7 +79,7 @@ def test_the_checker_sees_imports_at_any_depth():
         "segment.core.x:11 imports kornia.contrib",
         "segment.core.x:13 imports segment.backends",
         "segment.core.x:14 imports segment.run",
-        "segment.core.x:14 imports segment.run.api.segmenter",
+        "segment.core.x:14 imports segment.run.api",
     ]
 
 
