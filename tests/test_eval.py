@@ -893,7 +893,7 @@ def test_bsds_scores_the_labels_segment_writes():
     """score_regions reads the label map `segment` writes for a photo (outputs.postprocess,
     default label_upsampling) at the human segmentations' size."""
     from segment.eval.metrics import region_state
-    from segment.run.job.outputs import postprocess
+    from segment.run.api.render import postprocess
 
     g = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 5, (2, 4, 6), generator=g)

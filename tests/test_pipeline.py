@@ -487,10 +487,10 @@ def test_pipeline_benchmark_stages_run_as_the_pipeline_runs_them(tmp_path, monke
 
     import segment.run.api.segmenter as api_mod
     import segment.run.io as io_mod
-    import segment.run.job.outputs as outputs_mod
+    import segment.run.job.records as records_mod
 
     applied, write_threads, read_threads = [], [], []
-    real_apply, real_write, real_read = api_mod.Segmenter.apply, outputs_mod.write_image, io_mod.read_image
+    real_apply, real_write, real_read = api_mod.Segmenter.apply, records_mod.write_image, io_mod.read_image
 
     def read(*a, **k):
         read_threads.append(torch.get_num_threads())
@@ -505,7 +505,7 @@ def test_pipeline_benchmark_stages_run_as_the_pipeline_runs_them(tmp_path, monke
         return real_write(*a, **k)
 
     monkeypatch.setattr(api_mod.Segmenter, "apply", apply)
-    monkeypatch.setattr(outputs_mod, "write_image", write)
+    monkeypatch.setattr(records_mod, "write_image", write)
     monkeypatch.setattr(io_mod, "read_image", read)
     before = torch.get_num_threads()
     try:
@@ -604,7 +604,7 @@ def _same_outputs(ref: Path, out: Path) -> None:
 def _filling_disk(monkeypatch, room: int, forever: bool = True) -> dict[str, int]:
     """Every file write (per-image files and run files) fails with ENOSPC after ``room``
     files, as on a full disk: all later writes (``forever``) or only that one."""
-    import segment.run.job.outputs as outputs_mod
+    import segment.run.job.records as records_mod
     import segment.utils as utils_mod
 
     real = utils_mod.atomic_write_bytes
@@ -620,7 +620,7 @@ def _filling_disk(monkeypatch, room: int, forever: bool = True) -> dict[str, int
             raise OSError(28, "No space left on device")  # os.write's error names no file
         return real(path, data, fsync)
 
-    monkeypatch.setattr(outputs_mod, "atomic_write_bytes", write)
+    monkeypatch.setattr(records_mod, "atomic_write_bytes", write)
     monkeypatch.setattr(utils_mod, "atomic_write_bytes", write)
     return state
 

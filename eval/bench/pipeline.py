@@ -150,12 +150,8 @@ def _stage_costs(backbone: Backbone, method: Any, files: list, batches: list, n:
     from segment.core.masks import label_upsampling_setting
     from segment.run.api.segmenter import Segmenter
     from segment.run.io import read_image
-    from segment.run.job.outputs import (
-        RenderOptions,
-        postprocess,
-        single_threaded_rendering,
-        write_image,
-    )
+    from segment.run.api.render import RenderOptions, postprocess, single_threaded_rendering
+    from segment.run.job.records import write_image
     from segment.run.job.pipeline import config_fingerprint
 
     opts = RenderOptions(**OmegaConf.to_container(cfg.render, resolve=True))

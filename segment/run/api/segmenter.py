@@ -47,7 +47,7 @@ from segment.run.front.compose import (
     value_problem,
 )
 from segment.run.io import ImageReadError, read_image, to_rgb
-from segment.run.job.outputs import RenderOptions, Segmentation, overlay, postprocess
+from segment.run.api.render import RenderOptions, Segmentation, overlay, postprocess
 from segment.utils import unwrap_instantiation
 
 __all__ = ["Batch", "ImageReadError", "Result", "Segmenter", "compose_config", "config_names", "load", "show",
@@ -175,7 +175,7 @@ class Result:
         )
 
     def segmentation(self) -> Segmentation:
-        """Back to the command's :class:`~segment.run.job.outputs.Segmentation` (for the writers)."""
+        """Back to the command's :class:`~segment.run.api.render.Segmentation` (for the writers)."""
         return Segmentation(heatmap=self.heatmap, mask=self.mask,
                             labels=None if self.labels is None else self.labels.astype(np.int32, copy=False),
                             foreground=self.foreground, escape=self.escape)

@@ -67,7 +67,7 @@ from segment.run.job import plan, shard, summary
 from segment.run.api.segmenter import Segmenter
 from segment.run.io import InputError, bundled_examples, no_images_message
 from segment.run.job.lock import FolderBusy, OutputLock
-from segment.run.job.outputs import single_threaded_rendering
+from segment.run.api.render import single_threaded_rendering
 from segment.run.job.stages import OutputFault, StageRunner, StageSettings, describe
 from segment.run.job.state import RunSettings, RunState, config_fingerprint
 from segment.utils import (

@@ -21,7 +21,8 @@ from torch import Tensor
 from segment.run.dist import DistContext
 from segment.run.io import ImageFile, InputError, Listing, LoadedImage, find_images
 from segment.run.job.lock import OutputLock
-from segment.run.job.outputs import ImageRecord, ImageStatus, load_record, record_is_current
+from segment.run.job.manifest import ImageStatus
+from segment.run.job.records import ImageRecord, load_record, record_is_current
 from segment.run.job.state import RunSettings, RunState, refusal_key
 
 __all__ = ["Item", "current_record", "known_unreadable", "list_input", "log_plan", "plan_items"]

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 from segment.run import dist
 from segment.run.dist import DistContext
 from segment.run.io import InputError
-from segment.run.job.outputs import ImageStatus, device_info
+from segment.run.job.manifest import ImageStatus, device_info
 from segment.run.job.plan import current_record
 from segment.run.job.state import RunSettings, RunState
 from segment.run.job.summary import outcome
@@ -96,7 +96,7 @@ class RankReport:
         rank: the rank.
         images: how many images were its share.
         statuses: the per-image statuses of its share (``name`` -> status dict of
-            :class:`segment.run.job.outputs.ImageStatus`).
+            :class:`segment.run.job.manifest.ImageStatus`).
         timings: its stage timings (seconds).
         device: its device description.
         interrupted: it stopped on Ctrl-C.

@@ -38,7 +38,9 @@ from segment.core.masks import MethodOutput
 from segment.core.record import AttentionRecord
 from segment.run.api.segmenter import Segmenter
 from segment.run.io import ImageReadError, read_image
-from segment.run.job.outputs import ImageRecord, ImageStatus, OutputWriteError, RenderOptions, write_image
+from segment.run.api.render import RenderOptions
+from segment.run.job.manifest import ImageStatus
+from segment.run.job.records import ImageRecord, OutputWriteError, write_image
 from segment.run.job.plan import Item
 from segment.run.job.state import RunState
 from segment.utils import unwrap_instantiation

@@ -18,7 +18,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from segment.core.masks import label_upsampling_setting
 from segment.run.io import ImageFile
-from segment.run.job.outputs import ImageRecord, ImageStatus, RenderOptions
+from segment.run.api.render import RenderOptions
+from segment.run.job.manifest import ImageStatus
+from segment.run.job.records import ImageRecord
 
 __all__ = ["RunSettings", "RunState", "Timings", "config_fingerprint", "refusal_key"]
 

@@ -18,14 +18,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from segment.run.job.outputs import (
-    OutputWriteError,
-    device_info,
-    package_versions,
-    write_coco,
-    write_gallery,
-    write_manifest,
-)
+from segment.run.job.coco import write_coco
+
+from segment.run.job.gallery import write_gallery
+
+from segment.run.job.manifest import device_info, package_versions, write_manifest
+
+from segment.run.job.records import OutputWriteError
 from segment.run.job.state import RunSettings, RunState
 from segment.utils import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 
