@@ -30,7 +30,8 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from segment.core.record import Capture
-from segment.utils import unwrap_instantiation
+from segment.methods.base import Method
+from segment.run.front.build import build
 
 
 class ConfigError(ValueError):
@@ -209,23 +210,11 @@ def resolve_methods(cfg: DictConfig) -> list[MethodSpec]:
     return out
 
 
-def instantiate_method(spec: MethodSpec) -> Any:
-    from hydra.utils import instantiate
-
+def instantiate_method(spec: MethodSpec) -> Method:
+    """The method of ``spec``, named by its label; one-line :class:`BuildError` (exit 2)
+    for a knob value it refuses or a target that is not a :class:`Method`."""
     kwargs = {"name": spec.label} if "name" in spec.cfg else {}
-    try:
-        method = instantiate(spec.cfg, **kwargs)
-    except Exception as e:  # a bad knob value: one line, exit 2 (Hydra wraps the error)
-        cause = unwrap_instantiation(e)
-        if isinstance(cause, (ValueError, TypeError)):
-            raise ConfigError(f"cannot build method {spec.label!r}: {cause}") from e
-        raise
-    if not callable(getattr(method, "capture", None)) or not callable(method):
-        raise ConfigError(
-            f"method {spec.label!r} ({spec.cfg.get('_target_')}) must have capture(num_layers)"
-            " and be callable on an AttentionRecord"
-        )
-    return method
+    return build(spec.cfg, Method, f"method {spec.label!r}", **kwargs)
 
 
 def union_capture(methods: Sequence[Any], num_layers: int) -> Capture:

@@ -1,4 +1,4 @@
-"""The front door of `segment` and `segment-eval` (segment.run.front.compose), as subprocesses: exit
+"""The front door of `segment` and `segment-eval` (segment.run.front), as subprocesses: exit
 codes, unknown keys with a suggestion, unwritable outputs in one line, nothing left behind
 when a run cannot start, the offline failure, --help."""
 
@@ -17,7 +17,8 @@ import pytest
 from conftest import interrupt_when, popen_interruptible
 from PIL import Image
 
-from segment.run.front.compose import config_names, help_text, suggest
+from segment.run.front.compose import config_names, suggest
+from segment.run.front.help import help_text
 
 BIN = Path(sys.executable).parent
 TINY = ["model=vit_tiny_random", "device=cpu", "progress=false"]
@@ -329,7 +330,8 @@ def test_segment_failures_before_the_run_are_one_segment_line(tmp_path):
 
 _CHECK_PATHS = """
 import sys
-from segment.run.front.compose import UsageError, check_paths, compose
+from segment.run.front.command import check_paths
+from segment.run.front.compose import UsageError, compose
 for command, args, want in CASES:
     try:
         check_paths(command, compose(command, args))
@@ -374,7 +376,7 @@ def test_paths_are_checked_before_torch_loads(tmp_path):
 def test_an_unexpected_error_in_a_job_is_one_line_unless_hydra_full_error(monkeypatch, capsys):
     import logging
 
-    from segment.run.front import compose as front
+    from segment.run.front import command as front
 
     def broken() -> int:
         return {}["model"]

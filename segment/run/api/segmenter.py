@@ -38,6 +38,7 @@ from segment.core.masks import MethodOutput, label_upsampling_setting
 from segment.core.record import AttentionRecord, Capture
 from segment.methods.base import Method
 from segment.models.base import Backbone
+from segment.run.front.build import build
 from segment.run.front.compose import (
     compose,
     config_names,
@@ -48,7 +49,6 @@ from segment.run.front.compose import (
 )
 from segment.run.io import ImageReadError, read_image, to_rgb
 from segment.run.api.render import RenderOptions, Segmentation, overlay, postprocess
-from segment.utils import unwrap_instantiation
 
 __all__ = ["Batch", "ImageReadError", "Result", "Segmenter", "compose_config", "config_names", "load", "show",
            "suggest", "to_image"]
@@ -372,14 +372,17 @@ class Segmenter:
                     model_overrides: dict[str, Any] | None = None) -> Segmenter:
         """Build from a composed config (``model``, ``method``, ``batch_size``, ``max_pixels``);
         an already built ``backbone`` / ``method`` is used as it is; ``model_overrides`` are
-        passed to the model's constructor (torchrun: each rank's device)."""
-        from hydra.utils import instantiate
+        passed to the model's constructor (torchrun: each rank's device).
 
+        Raises:
+            BuildError: (a ``ValueError``) the method or the model cannot be built, in one
+                line naming it (:func:`segment.run.front.build.build`).
+        """
         if method is None:  # first: a bad method setting is refused before weights load
-            method = instantiate(cfg.method)
+            method = build(cfg.method, Method, "the method")
         labels = _label_upsampling_for(cfg.get("label_upsampling"), method)
         if backbone is None:
-            backbone = instantiate(cfg.model, **(model_overrides or {}))
+            backbone = build(cfg.model, Backbone, "the model", **(model_overrides or {}))
         return cls(backbone, method, batch_size=int(cfg.get("batch_size") or 8),
                    max_pixels=cfg.get("max_pixels"),
                    label_upsampling=labels, config=cfg)
@@ -496,16 +499,12 @@ def load(
             ``batch_size``, ``max_pixels``; dotted keys via ``**{"method.steps": 3}``.
 
     Raises:
-        ValueError: unknown model / method / key (with a suggestion) or a bad value.
-        RuntimeError: pretrained weights neither cached nor downloadable (names
-            ``checkpoint=PATH`` and the cache folder).
+        ValueError: unknown model / method / key (with a suggestion) or a bad value; a
+            model or method that cannot be built (:class:`~segment.run.front.build.BuildError`,
+            one line naming it and the constructor's error, which is its ``__cause__``: e.g.
+            pretrained weights neither cached nor downloadable, naming ``checkpoint=PATH``
+            and the cache folder).
     """
     cfg = compose_config(model, method, checkpoint=checkpoint, device=device, **overrides)
-    try:
-        return Segmenter.from_config(cfg)
-    except Exception as e:  # Hydra wraps constructor errors; give the user the real one
-        cause = unwrap_instantiation(e)
-        if cause is not e:
-            raise cause from None
-        raise
+    return Segmenter.from_config(cfg)
 

@@ -268,3 +268,11 @@ def holder(folder: str | os.PathLike) -> Holder | None:
         return h if h is not None and h.alive() is not False else None
     finally:
         os.close(fd)
+
+
+def in_use(folder: str | os.PathLike) -> str | None:
+    """The message naming the live run that holds ``folder`` (:func:`holder`), or ``None``:
+    the ``segment`` command's check before Hydra writes into the folder (exit 3; the run
+    itself takes the lock later, so two runs started at once are told apart there)."""
+    h = holder(folder)
+    return None if h is None else busy_message(folder, h)

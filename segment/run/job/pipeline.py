@@ -65,6 +65,7 @@ from PIL import Image
 from segment.models.base import Backbone
 from segment.run.job import plan, shard, summary
 from segment.run.api.segmenter import Segmenter
+from segment.run.front.build import BuildError
 from segment.run.io import InputError, bundled_examples, no_images_message
 from segment.run.job.lock import FolderBusy, OutputLock
 from segment.run.api.render import single_threaded_rendering
@@ -191,9 +192,10 @@ class SegmentRun:
             ts = time.perf_counter()
             try:
                 self._build()
-            except Exception as e:  # a model/method that cannot be built stops the run
+            except Exception as e:  # a model/method that cannot be built (or used) stops the run
                 log.debug("building the model/method failed", exc_info=True)
-                return self._fail(f"cannot build the model or method: {describe(e)}")
+                return self._fail(str(e) if isinstance(e, BuildError)
+                                  else f"cannot build the model or method: {describe(e)}")
             state.timings.model_load_s = time.perf_counter() - ts
         try:
             out.mkdir(parents=True, exist_ok=True)
