@@ -102,7 +102,7 @@ def method_key(spec: MethodSpec) -> str:
 
 
 def compose_method(name: str) -> DictConfig:
-    """The ``configs/method/<name>.yaml`` option, composed by :func:`segment.run.front.compose`
+    """The ``configs/method/<name>.yaml`` option, composed by :func:`segment.run.front.compose.compose`
     (the one composition of every command and the API: Hydra's compose API, defaults lists work)."""
     from segment.run.front.compose import compose, config_names, suggest
 

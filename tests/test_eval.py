@@ -890,7 +890,7 @@ def test_bsds_bad_ground_truth_is_one_line(tmp_path, quantile_methods, capsys):
 
 
 def test_bsds_scores_the_labels_segment_writes():
-    """score_regions reads the label map `segment` writes for a photo (outputs.postprocess,
+    """score_regions reads the label map `segment` writes for a photo (render.postprocess,
     default label_upsampling) at the human segmentations' size."""
     from segment.eval.metrics import region_state
     from segment.run.api.render import postprocess

@@ -72,7 +72,7 @@ def compose_config(
 ) -> DictConfig:
     """The config the command would compose for ``model=... method=...`` plus overrides.
 
-    The command's config comes from :func:`segment.run.front.compose` (Hydra's compose API,
+    The command's config comes from :func:`segment.run.front.compose.compose` (Hydra's compose API,
     the composition of ``segment`` and ``segment-eval``); the API keeps its model, method,
     ``device`` and the run settings it honours (:data:`API_KEYS`). Overrides are Python
     values routed by name: a key of the model config goes to ``model.KEY``, a key of the
