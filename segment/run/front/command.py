@@ -241,8 +241,9 @@ def run_command(command: str, hydra_main: Callable[[], Any], argv: Sequence[str]
                 in_use: Callable[[Path], str | None] | None = None) -> int:
     """Pre-check, run the ``@hydra.main`` function, map its outcome to an exit code.
 
-    The pre-check composes the config by :func:`compose` (the arguments checked once);
-    ``hydra_main`` (``@hydra.main`` on :data:`CONFIG_PATH` and ``CONFIG_NAMES[command]``,
+    The pre-check composes the config by :func:`~segment.run.front.compose.compose` (the
+    arguments checked once); ``hydra_main`` (``@hydra.main`` on
+    :data:`~segment.run.front.compose.CONFIG_PATH` and ``CONFIG_NAMES[command]``,
     the same configs) then composes the job's config from the same arguments, with Hydra's
     own node: the job's name, its run folder (``hydra.run.dir: ${output}``), its logging
     into ``<output>/<job>.log`` and ``.hydra/``, and the flags it alone handles (``--help``,

@@ -203,11 +203,11 @@ COMMAND_GROUPS = {"segment": ("model", "method"), "segment-eval": ALL_GROUPS,
 def compose(command: str, args: Sequence[str] = ()) -> DictConfig:
     """The config of ``command`` for the ``KEY=VALUE`` arguments ``args``: the one way in.
 
-    ``segment``, ``segment-eval`` and ``segment-diagnose`` (:func:`run_command`, before
-    Hydra's job), the Python API (:func:`segment.run.api.segmenter.compose_config`) and the
-    evaluator's ``methods=[NAME]`` entries (:func:`segment.eval.specs.compose_method`) all
-    compose here, by Hydra's compose API
-    (:func:`hydra_compose`) from ``configs/<name>.yaml`` (:data:`CONFIG_NAMES`), and the
+    ``segment``, ``segment-eval`` and ``segment-diagnose``
+    (:func:`segment.run.front.command.run_command`, before Hydra's job), the Python API
+    (:func:`segment.run.api.segmenter.compose_config`) and the evaluator's ``methods=[NAME]``
+    entries (:func:`segment.eval.specs.compose_method`) all compose here, by Hydra's compose
+    API (:func:`hydra_compose`) from ``configs/<name>.yaml`` (:data:`CONFIG_NAMES`), and the
     arguments are checked on the composition once: the group options first
     (:func:`check_groups`), then every key and value against the config those options
     compose (:func:`check_overrides`); the config of all the arguments is composed last.
