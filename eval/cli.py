@@ -1,7 +1,7 @@
 """``segment-eval``: score methods on a benchmark (Hydra entry point; work in ``run``).
 
-:func:`segment.run.front.run_command` checks the command line and the output folder before
-Hydra starts, and maps the outcome to the exit code (0 done, 2 unusable input or settings,
+:func:`segment.run.front.command.run_command` checks the command line and the output
+folder before Hydra starts, and maps the outcome to the exit code (0 done, 2 unusable input or settings,
 130 interrupted); a run that cannot start leaves no ``outputs/eval/DATE/TIME`` behind.
 """
 
@@ -10,9 +10,11 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from segment.run import front
+from segment.run.front.command import job, run_command
+from segment.run.front.compose import CONFIG_NAMES, CONFIG_PATH
+from segment.run.front.help import register_help_resolver
 
-front.register_help_resolver()  # ${segment_help:segment-eval} in hydra.help.template
+register_help_resolver()  # ${segment_help:segment-eval} in hydra.help.template
 
 
 def run(cfg: DictConfig) -> int:
@@ -27,16 +29,16 @@ def run(cfg: DictConfig) -> int:
     return run_eval(cfg)
 
 
-@hydra.main(version_base="1.3", config_path=front.CONFIG_PATH, config_name=front.CONFIG_NAMES["segment-eval"])
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAMES["segment-eval"])
 def _main(cfg: DictConfig) -> int:
-    code = front.job("segment-eval", lambda: run(cfg))
+    code = job("segment-eval", lambda: run(cfg))
     if code:  # hydra.main drops the task's return value; exit here so the shell sees it
         raise SystemExit(code)
     return code
 
 
 def main() -> None:
-    raise SystemExit(front.run_command("segment-eval", _main))
+    raise SystemExit(run_command("segment-eval", _main))
 
 
 if __name__ == "__main__":

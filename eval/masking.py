@@ -509,11 +509,12 @@ def run_masking(cfg: DictConfig) -> int:
     """The token-masking experiment (module docstring); returns the exit code: 0 done,
     1 no image could be read, 2 unusable settings or input, 130 interrupted."""
     from segment.eval.specs import ConfigError
+    from segment.run.front.build import BuildError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return _run(cfg)
-    except ConfigError as e:
+    except (ConfigError, BuildError) as e:
         print(f"segment-eval: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
@@ -522,17 +523,50 @@ def run_masking(cfg: DictConfig) -> int:
         return EXIT_INTERRUPTED
 
 
-def _run(cfg: DictConfig) -> int:
-    from tqdm import tqdm
+@dataclass
+class _Setup:
+    """What every image of the experiment is measured with (:func:`_image_curves`)."""
 
-    from segment.eval.runner import bootstrap_reps, instantiate_model, output_dir
-    from segment.eval.specs import ConfigError, instantiate_method, resolve_methods, union_capture
-    from segment.run.io import ImageReadError, InputError, find_images, read_image
-    from segment.utils import resolve_device
+    backbone: Any
+    specs: list[Any]
+    capture: Any
+    device: torch.device
+    fractions: tuple[float, ...]
+    orders: tuple[str, ...]
+    labels: dict[str, int] | None
+    head: int
+    seed: int
+    use_random: bool
 
-    folder, fractions, orders = _settings(cfg)
-    reps = bootstrap_reps(cfg)
-    out_dir = output_dir(cfg)
+
+@dataclass
+class _Cost:
+    """Where the experiment's time went (seconds, over the images so far) and its forwards."""
+
+    bare_s: float = 0.0
+    scores_s: float = 0.0
+    masked_s: float = 0.0
+    batches: int = 0
+    forwards: int = 0
+    warm: bool = False
+
+    def per_image(self, device: torch.device, k: int) -> dict[str, Any]:
+        return {
+            "device": str(device),
+            "bare_ms_per_image": round(1e3 * self.bare_s / k, 3),
+            "scores_ms_per_image": round(1e3 * self.scores_s / k, 3),
+            "masked_ms_per_image": round(1e3 * self.masked_s / k, 3),
+            "masked_vs_bare": round(self.masked_s / max(self.bare_s, 1e-12), 3),
+            "masked_forwards_per_image": self.forwards // k,
+            "batches_per_image": self.batches // k,
+        }
+
+
+def _inputs(cfg: DictConfig, folder: Path) -> tuple[list[Any], dict[str, int] | None]:
+    """The image files (the first ``limit``) and, with ``masking.labels``, their classes."""
+    from segment.eval.specs import ConfigError
+    from segment.run.io import InputError, find_images
+
     try:
         listing = find_images(folder)
     except InputError as e:
@@ -552,6 +586,15 @@ def _run(cfg: DictConfig) -> int:
         missing = [f.name for f in files if Path(f.rel).stem not in labels]
         if missing:
             raise ConfigError(f"masking.labels: no class for {len(missing)} images (e.g. {missing[:3]})")
+    return files, labels
+
+
+def _setup(cfg: DictConfig, fractions: tuple[float, ...], orders: tuple[str, ...],
+           labels: dict[str, int] | None) -> _Setup:
+    """The methods and the model, checked for the experiment (one line, exit 2)."""
+    from segment.eval.settings import instantiate_model
+    from segment.eval.specs import ConfigError, instantiate_method, resolve_methods, union_capture
+    from segment.utils import resolve_device
 
     specs = resolve_methods(cfg)
     for s in specs:
@@ -575,34 +618,67 @@ def _run(cfg: DictConfig) -> int:
             " +model.model_kwargs.num_classes=1000"
         )
     capture = union_capture([s.method for s in specs], backbone.num_layers)
-    seed = int(cfg.get("seed") or 0)
-    use_random = bool(cfg.masking.get("random", True))
-    references = _references_of(cfg, [s.label for s in specs] + ([RANDOM] if use_random else []))
+    return _Setup(backbone=backbone, specs=specs, capture=capture, device=device, fractions=fractions,
+                  orders=orders, labels=labels, head=head, seed=int(cfg.get("seed") or 0),
+                  use_random=bool(cfg.masking.get("random", True)))
 
+
+def _image_curves(setup: _Setup, cost: _Cost, i: int, rel: str, image: Any) -> ImageCurves:
+    """The curves of image ``i`` (file ``rel``): the bare forward timed, every method's
+    scores, the masked forwards (:func:`mask_image`); the times added to ``cost``."""
+    backbone, device, fractions = setup.backbone, setup.device, setup.fractions
+    x = backbone.preprocess(image).unsqueeze(0)
+    if not cost.warm:  # one untimed pass: allocations and kernel choices of the first call
+        backbone.forward_plain(x)
+        cost.warm = True
+    _sync(device)
+    t0 = time.perf_counter()
+    backbone.forward_plain(x)
+    _sync(device)
+    t1 = time.perf_counter()
+    record = backbone.extract(x, setup.capture)
+    scores = {s.label: s.method(record).heatmap[0].flatten().float().cpu() for s in setup.specs}
+    _sync(device)
+    t2 = time.perf_counter()
+    n = record.layout.num_patches
+    if setup.use_random:
+        scores[RANDOM] = random_scores(n, setup.seed, i)
+    label = setup.labels[Path(rel).stem] if setup.labels is not None else None
+    curves = mask_image(backbone, x, scores, fractions, setup.orders, label=label if setup.head else None)
+    cost.bare_s += t1 - t0
+    cost.scores_s += t2 - t1
+    cost.masked_s += curves.masked_s
+    cost.batches += len(fractions) - 1
+    cost.forwards += len(curves.rows) * (len(fractions) - 1)
+    return curves
+
+
+def _run(cfg: DictConfig) -> int:
+    from tqdm import tqdm
+
+    from segment.eval.settings import bootstrap_reps, output_dir
+    from segment.run.io import ImageReadError, read_image
+
+    folder, fractions, orders = _settings(cfg)
+    reps = bootstrap_reps(cfg)
+    out_dir = output_dir(cfg)
+    files, labels = _inputs(cfg, folder)
+    setup = _setup(cfg, fractions, orders, labels)
+    rows = [s.label for s in setup.specs] + ([RANDOM] if setup.use_random else [])
+    references = _references_of(cfg, rows)
     per_image: list[ImageCurves] = []
     names: list[str] = []
     skipped: list[tuple[str, str]] = []
-    bare_s = scores_s = masked_s = 0.0
-    batches = forwards = 0
-    warm = False
+    cost = _Cost()
     every = int(cfg.masking.get("write_every") or 0)
 
     def meta() -> dict[str, Any]:
-        k = len(per_image)
-        cost = {
-            "device": str(device),
-            "bare_ms_per_image": round(1e3 * bare_s / k, 3),
-            "scores_ms_per_image": round(1e3 * scores_s / k, 3),
-            "masked_ms_per_image": round(1e3 * masked_s / k, 3),
-            "masked_vs_bare": round(masked_s / max(bare_s, 1e-12), 3),
-            "masked_forwards_per_image": forwards // k,
-            "batches_per_image": batches // k,
-        }
         return {
-            "model": str(backbone.name), "input": str(folder), "images": k,
+            "model": str(setup.backbone.name), "input": str(folder), "images": len(per_image),
             "skipped": skipped, "image_size": _size_pair(cfg.model.image_size),
-            "fractions": list(fractions), "orders": list(orders), "bootstrap": reps, "seed": seed,
-            "head_classes": head, "labels": bool(labels), "compare": list(references), "cost": cost,
+            "fractions": list(fractions), "orders": list(orders), "bootstrap": reps, "seed": setup.seed,
+            "head_classes": setup.head, "labels": bool(labels), "compare": list(references),
+            "cost": cost.per_image(setup.device, len(per_image)),
             "auc": "trapezoid over the fractions divided by their span (mean height of the curve)",
         }
 
@@ -614,32 +690,8 @@ def _run(cfg: DictConfig) -> int:
             log.warning("skipped %s", e)
             skipped.append((f.rel, e.reason))
             continue
-        x = backbone.preprocess(image).unsqueeze(0)
-        if not warm:  # one untimed pass: allocations and kernel choices of the first call
-            backbone.forward_plain(x)
-            warm = True
-        _sync(device)
-        t0 = time.perf_counter()
-        backbone.forward_plain(x)
-        _sync(device)
-        t1 = time.perf_counter()
-        record = backbone.extract(x, capture)
-        scores = {s.label: s.method(record).heatmap[0].flatten().float().cpu() for s in specs}
-        _sync(device)
-        t2 = time.perf_counter()
-        n = record.layout.num_patches
-        if use_random:
-            scores[RANDOM] = random_scores(n, seed, i)
-        label = labels[Path(f.rel).stem] if labels is not None else None
-        curves = mask_image(backbone, x, scores, fractions, orders, label=label if head else None)
-        bare_s += t1 - t0
-        scores_s += t2 - t1
-        masked_s += curves.masked_s
-        batches += len(fractions) - 1
-        forwards += len(curves.rows) * (len(fractions) - 1)
-        per_image.append(curves)
+        per_image.append(_image_curves(setup, cost, i, f.rel, image))
         names.append(f.name)
-        del record
         if every and len(per_image) % every == 0 and len(per_image) < len(files):
             _write(out_dir, cfg, per_image, names, meta(), final=False)  # partial tables
     if not per_image:

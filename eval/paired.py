@@ -43,7 +43,7 @@ def run_states(run: Path, method: str | None = None) -> tuple[str, dict[str, Sta
         ``(label, {image name: state} in the data set's order, the data set)``.
     """
     from segment.eval.cache import MetricCache, cache_dir
-    from segment.eval.runner import instantiate_dataset, item_names
+    from segment.eval.settings import instantiate_dataset, item_names
     from segment.eval.specs import instantiate_method, method_key, resolve_methods
 
     path = run / "config.yaml"

@@ -12,6 +12,7 @@ Flow (:func:`run_eval`)::
 
 This module is the loop; each concern has its own module:
 
+- :mod:`segment.eval.settings`: the settings, the model and the data set from the config;
 - :mod:`segment.eval.specs`: the methods from the config (``method``, ``methods``), their
   cache keys, :class:`~segment.eval.specs.ConfigError`;
 - :mod:`segment.eval.cache`: the per-image metric cache and its fingerprint;
@@ -45,6 +46,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from segment.datasets.base import DataError, Sample, SegmentationDataset
 from segment.run import dist
+from segment.run.front.build import BuildError
 from segment.eval.cache import MetricCache, cache_dir
 from segment.eval.metrics import State, state_from_dict
 from segment.eval.panels import PanelRows, panel_tiles, write_sample_panel
@@ -63,6 +65,13 @@ from segment.eval.specs import (
     resolve_methods,
     union_capture,
 )
+from segment.eval.settings import (
+    bootstrap_reps,
+    instantiate_dataset,
+    instantiate_model,
+    item_names,
+    output_dir,
+)
 from segment.eval.tables import Results, class_names_of, results_table
 
 from segment.core.record import AttentionRecord
@@ -73,71 +82,9 @@ from segment.utils import (  # noqa: F401  (exit codes re-exported for callers)
     EXIT_INTERRUPTED,
     EXIT_OK,
     atomic_write_text,
-    unwrap_instantiation,
 )
 
 log = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------------------------------
-# settings, the model and the data set
-# ---------------------------------------------------------------------------------------
-
-
-def bootstrap_reps(cfg: DictConfig) -> int:
-    """``bootstrap``: the number of bootstrap resamples (0: no intervals)."""
-    reps = cfg.get("bootstrap", 0)
-    if not isinstance(reps, int) or isinstance(reps, bool) or reps < 0:
-        raise ConfigError(f"bootstrap must be a whole number of resamples >= 0 (0 = off), got {reps!r}")
-    return int(reps)
-
-
-def output_dir(cfg: DictConfig) -> Path:
-    """``output``, else Hydra's run folder (``segment-eval`` only)."""
-    if cfg.get("output"):
-        return Path(str(cfg.output))
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return Path(HydraConfig.get().runtime.output_dir)
-    except ValueError:
-        raise ConfigError("no output folder: pass output=DIR (Hydra's run dir exists only under segment-eval)") from None
-
-
-def instantiate_model(cfg: DictConfig, device: torch.device) -> Backbone:
-    """The backbone of ``cfg.model`` on ``device``; one-line :class:`ConfigError` when it
-    cannot be built."""
-    from hydra.utils import instantiate
-
-    kwargs = {"device": str(device)} if "device" in cfg.model else {}
-    if cfg.get("seed") is not None:  # same random-init weights on every rank and rerun
-        torch.manual_seed(int(cfg.seed))
-    try:
-        model = instantiate(cfg.model, **kwargs)
-    except Exception as e:  # no weights offline, a checkpoint that does not fit: one line, exit 2
-        cause = unwrap_instantiation(e)
-        raise ConfigError(f"cannot build the model: {type(cause).__name__}: {cause}") from e
-    if not isinstance(model, Backbone):
-        raise ConfigError(f"model {cfg.model.get('_target_')} is not a segment.models.base.Backbone"
-                          f" (got {type(model).__name__})")
-    return model
-
-
-def instantiate_dataset(cfg: DictConfig) -> Any:
-    from hydra.utils import instantiate
-
-    from segment.run.front import unset_dataset_settings
-
-    missing = unset_dataset_settings(cfg.dataset)
-    if missing:
-        raise ConfigError(missing)
-    try:
-        return instantiate(cfg.dataset)
-    except Exception as e:  # Hydra wraps constructor errors in InstantiationException
-        cause = e.__cause__ or e
-        if isinstance(cause, (FileNotFoundError, ValueError)):
-            raise ConfigError(str(cause)) from e
-        raise
 
 
 # ---------------------------------------------------------------------------------------
@@ -156,7 +103,7 @@ def run_eval(cfg: DictConfig) -> int:
         return EXIT_BAD_INPUT
     try:
         return _run(cfg, ctx)
-    except ConfigError as e:
+    except (ConfigError, BuildError) as e:
         print(f"segment-eval: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except DataError as e:  # a data set file that cannot be read as expected (named in e)
@@ -278,20 +225,6 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
     return EXIT_OK
 
 
-def item_names(cfg: DictConfig, dataset: SegmentationDataset) -> list[str]:
-    """The names of the items to score: the first ``limit`` of the data set (all without)."""
-    n = len(dataset)
-    limit = cfg.get("limit")
-    if limit is not None:
-        if int(limit) < 1:
-            raise ConfigError(f"limit must be a positive number of images, got {limit}")
-        n = min(n, int(limit))
-    names = [dataset.name(i) for i in range(n)]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"{type(dataset).__name__}: item names are not unique")
-    return names
-
-
 def _read_cache(job: ScoreJob, names: Sequence[str], mine: Sequence[int]) -> list[int]:
     """Fill ``job.states`` and ``job.fallbacks`` of this rank's images ``mine`` from the
     metric cache (logging what was reused); returns the images some method still lacks."""
@@ -370,10 +303,10 @@ def batch_prompts(classes: Sequence[str | None], default: str | None,
 
 
 def _build_backbone(job: ScoreJob) -> Backbone:
-    """The model, with every method checked against it (:func:`segment.run.api.check_method`:
+    """The model, with every method checked against it (:func:`segment.run.api.segmenter.check_method`:
     layers it lacks, knobs that need pixels it does not provide): before the first batch,
     one line, exit 2."""
-    from segment.run.api import check_method
+    from segment.run.api.segmenter import check_method
 
     t_build = time.perf_counter()
     backbone = instantiate_model(job.cfg, job.ctx.device)

@@ -59,7 +59,7 @@ def peer_maps(out: MethodOutput, sizes: list[tuple[int, int]]) -> list[tuple[Ten
     image (:func:`segment.core.masks.heatmap_at`; the map ``maxF`` thresholds). The mask:
     ``R > mean(R)`` for heatmap methods; for region methods the union of the foreground
     regions with the labels upsampled by ``segment``'s default ``label_upsampling``
-    (``smooth``), not a resized 224 px mask (:func:`segment.run.outputs.postprocess`).
+    (``smooth``), not a resized 224 px mask (:func:`segment.run.api.render.postprocess`).
     """
     mode = label_upsampling_setting(None)
     return _maps_by_size(out, sizes, lambda sub, size: to_masks_and_labels(sub, size, mode)[:2])

@@ -30,7 +30,8 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from segment.core.record import Capture
-from segment.utils import unwrap_instantiation
+from segment.methods.base import Method
+from segment.run.front.build import build
 
 
 class ConfigError(ValueError):
@@ -102,9 +103,9 @@ def method_key(spec: MethodSpec) -> str:
 
 
 def compose_method(name: str) -> DictConfig:
-    """The ``configs/method/<name>.yaml`` option, composed by :func:`segment.run.front.compose`
+    """The ``configs/method/<name>.yaml`` option, composed by :func:`segment.run.front.compose.compose`
     (the one composition of every command and the API: Hydra's compose API, defaults lists work)."""
-    from segment.run.front import compose, config_names, suggest
+    from segment.run.front.compose import compose, config_names, suggest
 
     names = config_names("method")
     if name not in names:
@@ -118,7 +119,7 @@ def compose_method(name: str) -> DictConfig:
 def _with_knobs(config: str, knobs: dict[str, Any], where: str) -> DictConfig:
     """``configs/method/<config>.yaml`` with ``knobs`` set; a knob the config does not have is
     a one-line :class:`ConfigError` naming the entry, the knob and the closest one."""
-    from segment.run.front import suggest
+    from segment.run.front.compose import suggest
 
     node = compose_method(config)
     unknown = [str(k) for k in knobs if str(k) not in node]
@@ -210,23 +211,11 @@ def resolve_methods(cfg: DictConfig) -> list[MethodSpec]:
     return out
 
 
-def instantiate_method(spec: MethodSpec) -> Any:
-    from hydra.utils import instantiate
-
+def instantiate_method(spec: MethodSpec) -> Method:
+    """The method of ``spec``, named by its label; one-line :class:`BuildError` (exit 2)
+    for a knob value it refuses or a target that is not a :class:`Method`."""
     kwargs = {"name": spec.label} if "name" in spec.cfg else {}
-    try:
-        method = instantiate(spec.cfg, **kwargs)
-    except Exception as e:  # a bad knob value: one line, exit 2 (Hydra wraps the error)
-        cause = unwrap_instantiation(e)
-        if isinstance(cause, (ValueError, TypeError)):
-            raise ConfigError(f"cannot build method {spec.label!r}: {cause}") from e
-        raise
-    if not callable(getattr(method, "capture", None)) or not callable(method):
-        raise ConfigError(
-            f"method {spec.label!r} ({spec.cfg.get('_target_')}) must have capture(num_layers)"
-            " and be callable on an AttentionRecord"
-        )
-    return method
+    return build(spec.cfg, Method, f"method {spec.label!r}", **kwargs)
 
 
 def union_capture(methods: Sequence[Any], num_layers: int) -> Capture:

@@ -41,7 +41,7 @@ class Backbone(abc.ABC):
             (``AttentionRecord.pixels``, RGB in ``[0, 1]`` at the record's ``image_size``)
             that pixel-level method knobs read (``regions``' and ``cuts``' ``refine_steps``);
             every bundled backbone does; methods that need it are refused on a backbone
-            without it, before the first batch (``segment.run.api.check_method``).
+            without it, before the first batch (``segment.run.api.segmenter.check_method``).
         kind: ``"vit"`` (an image transformer) or ``"dit"`` (a diffusion transformer, text
             and image tokens): the kinds a method runs on are its ``Method.backbones``.
     """

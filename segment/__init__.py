@@ -16,17 +16,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__ imports them
-    from segment.run.api import Result, Segmenter, load, show
-    from segment.run.diagnose import diagnose
-    from segment.run.registry import create_method, list_datasets, list_methods, list_models
+    from segment.run.api.registry import create_method, list_datasets, list_methods, list_models
+    from segment.run.api.segmenter import Result, Segmenter, load, show
+    from segment.run.diagnose.measure import diagnose
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "load": "segment.run.api", "show": "segment.run.api", "Segmenter": "segment.run.api",
-    "Result": "segment.run.api", "diagnose": "segment.run.diagnose",
-    "list_models": "segment.run.registry", "list_methods": "segment.run.registry",
-    "list_datasets": "segment.run.registry", "create_method": "segment.run.registry",
+    "load": "segment.run.api.segmenter", "show": "segment.run.api.segmenter",
+    "Segmenter": "segment.run.api.segmenter", "Result": "segment.run.api.segmenter",
+    "diagnose": "segment.run.diagnose.measure",
+    "list_models": "segment.run.api.registry", "list_methods": "segment.run.api.registry",
+    "list_datasets": "segment.run.api.registry", "create_method": "segment.run.api.registry",
 }
 """Each public name and the module it is imported from on first use."""
 

@@ -1,5 +1,5 @@
 """``python -m segment`` / ``torchrun -m segment``: same as the ``segment`` command."""
 
-from segment.run.cli import main
+from segment.run.job.cli import main
 
 main()

@@ -95,8 +95,8 @@ def segment_in_process(*args: str) -> int:
     """``segment ARGS`` in the test's own process, its config composed as the command composes
     it, for runs whose command line is not what a test checks (no interpreter, torch and timm
     to start); the exit code."""
-    from segment.run.front import compose
-    from segment.run.pipeline import run_segment
+    from segment.run.front.compose import compose
+    from segment.run.job.pipeline import run_segment
 
     return run_segment(compose("segment", list(args)))
 

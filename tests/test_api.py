@@ -1,4 +1,4 @@
-"""The Python API (segment.run.api): load, Segmenter, Result, show; and that the `segment`
+"""The Python API (segment.run.api.segmenter): load, Segmenter, Result, show; and that the `segment`
 command computes through the same object (masks bit-identical)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 import segment
-from segment.run.api import Result, Segmenter, compose_config, to_image
+from segment.run.api.segmenter import Result, Segmenter, compose_config, to_image
 from segment.run.io import read_image
 
 from conftest import assert_results_equal_files
@@ -101,7 +101,7 @@ def test_label_upsampling_setting():
     method's own output, the mask follows the labels, a bad value is refused, and the
     command's fingerprint changes with it (a rerun redoes the images)."""
     from segment.core.masks import labels_at
-    from segment.run.pipeline import config_fingerprint
+    from segment.run.job.pipeline import config_fingerprint
 
     im = _img(150, 210, 3)  # 4 x 4 tokens of a 56 px input: ~3x larger
     smooth = segment.load("vit_tiny_random", device="cpu", image_size=56)
@@ -229,7 +229,7 @@ def test_pipeline_computes_through_the_segmenter(tmp_path, monkeypatch):
     Segmenter.postprocess (one code path)."""
     from hydra import compose, initialize_config_module
 
-    from segment.run.pipeline import run_segment
+    from segment.run.job.pipeline import run_segment
 
     calls = {"extract": 0, "apply": 0, "post": 0}
     ext, app, post = Segmenter.extract, Segmenter.apply, Segmenter.postprocess
@@ -337,7 +337,7 @@ def test_readme_snippet_runs(tmp_path, monkeypatch, dinov2_weights):
     src = read_image(REPO / "datasets" / "examples" / "chelsea.png").image
     src.save(tmp_path / "photo.jpg", quality=95)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(segment.run.api, "load", functools.partial(segment.run.api.load, checkpoint=dinov2_weights,
+    monkeypatch.setattr(segment.run.api.segmenter, "load", functools.partial(segment.run.api.segmenter.load, checkpoint=dinov2_weights,
                                                                 device="cpu"))
     ns: dict = {}
     exec(compile(snippet, "README.md", "exec"), ns)
@@ -350,7 +350,7 @@ def test_readme_snippet_runs(tmp_path, monkeypatch, dinov2_weights):
 def test_tokenrank_convergence_reaches_the_api():
     """``Segmenter.apply`` keeps the method's ``converged`` flags (``None`` for methods
     without an iteration)."""
-    from segment.run.api import to_image
+    from segment.run.api.segmenter import to_image
 
     px = None
     for method, want in (("tokenrank", [True]), ("cls_attention", None)):

@@ -134,7 +134,7 @@ def test_segment_writes_kmeans_labels(tmp_path):
 
     from PIL import Image
 
-    from segment.run.pipeline import run_segment
+    from segment.run.job.pipeline import run_segment
 
     src, out = tmp_path / "in", tmp_path / "out"
     src.mkdir()

@@ -252,7 +252,7 @@ def test_cuts_end_to_end_write_the_escape_of_every_region(tmp_path):
     from test_pipeline import _img, compose_cfg
 
     import segment
-    from segment.run.pipeline import run_segment
+    from segment.run.job.pipeline import run_segment
 
     torch.manual_seed(0)
     m = timm.create_model("vit_small_patch14_dinov2", pretrained=False, num_classes=0,

@@ -67,9 +67,9 @@ def test_api_tiny_model_rows_are_the_image_mean_of_the_core_measures():
     diag = segment.diagnose(images, model="vit_tiny_random", device="cpu")
     assert diag.difference() == [] and len(diag.models) == 1
     # a random model is drawn anew at each build: measure one built model twice
-    from segment.run.diagnose import _build, _model_config, measure_model
+    from segment.run.diagnose.measure import build_model, measure_model, model_config
 
-    bb = _build(_model_config("vit_tiny_random", None, "cpu", {}), "cpu")
+    bb = build_model(model_config("vit_tiny_random", None, "cpu", {}), "cpu")
     m = measure_model(bb, images, ["image 0", "image 1"])
     assert (m.num_layers, m.num_heads, m.num_tokens, m.prefix, m.grid) == (2, 2, 257, 1, (16, 16))
     rows = m.rows()

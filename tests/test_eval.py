@@ -648,7 +648,7 @@ def test_torchrun_two_ranks_equal_one(folder, tmp_path):
     one = tmp_path / "one"
     two = tmp_path / "two"
     # the single process: this one (the config composed as the command composes it)
-    from segment.run.front import compose as compose_command
+    from segment.run.front.compose import compose as compose_command
 
     assert run_eval(compose_command("segment-eval", [*args, f"output={one}"])) == EXIT_OK
     r2 = subprocess.run(
@@ -890,10 +890,10 @@ def test_bsds_bad_ground_truth_is_one_line(tmp_path, quantile_methods, capsys):
 
 
 def test_bsds_scores_the_labels_segment_writes():
-    """score_regions reads the label map `segment` writes for a photo (outputs.postprocess,
+    """score_regions reads the label map `segment` writes for a photo (render.postprocess,
     default label_upsampling) at the human segmentations' size."""
     from segment.eval.metrics import region_state
-    from segment.run.outputs import postprocess
+    from segment.run.api.render import postprocess
 
     g = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 5, (2, 4, 6), generator=g)

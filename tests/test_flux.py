@@ -611,7 +611,7 @@ def test_model_configs_compose_and_flux_tiny_instantiates():
 
 
 def test_segment_end_to_end_flux_tiny(tmp_path):
-    from segment.run.pipeline import run_segment
+    from segment.run.job.pipeline import run_segment
 
     out = tmp_path / "out"
     cfg = _compose("segment", [f"output='{out}'", "model=flux_tiny", "method=bounce",
@@ -687,7 +687,7 @@ def test_every_method_runs_on_each_backbone_kind_it_declares(model):
     (and region labels at the input for region methods); every other pair is refused before
     the first batch with one line naming the method, its kinds and the model."""
     from hydra.utils import instantiate
-    from segment.run.api import check_method
+    from segment.run.api.segmenter import check_method
 
     bb = instantiate(_compose("segment", [f"model={model}", "device=cpu"]).model)
     photos = [_photo(48, 64), _photo(64, 40)]
@@ -717,7 +717,7 @@ def test_every_method_runs_on_each_backbone_kind_it_declares(model):
 def test_segment_runs_the_default_method_on_flux(tmp_path):
     """`segment input=<the bundled examples> model=flux_tiny` with the default method (cuts,
     with its pixel refinement): 3 masks and 3 label maps, exit 0."""
-    from segment.run.pipeline import run_segment
+    from segment.run.job.pipeline import run_segment
 
     out = tmp_path / "out"
     cfg = _compose("segment", [f"output='{out}'", "model=flux_tiny", "device=cpu",
@@ -734,7 +734,7 @@ def test_a_knob_that_needs_pixels_is_refused_on_a_backbone_without_them(backbone
     bundled ones) refuses the pixel chain's refine_steps >= 1 in one line naming the knob
     and the model; refine_steps=0 is accepted."""
     from segment.methods import EscapeCuts
-    from segment.run.api import check_method
+    from segment.run.api.segmenter import check_method
 
     monkeypatch.setattr(type(backbone), "provides_pixels", False)
     with pytest.raises(ValueError, match=r"^cuts: refine_steps=3 reads the input image, which model"
@@ -748,7 +748,7 @@ def test_a_vit_refuses_a_dit_only_method_in_one_line(tmp_path, capsys):
     """concept_attention reads concept words' text tokens: on a ViT `segment` and the API
     refuse it before the first batch, one line, nothing written."""
     import segment
-    from segment.run.pipeline import run_segment
+    from segment.run.job.pipeline import run_segment
 
     with pytest.raises(ValueError, match=r"^concept_attention runs on dit backbones; model"
                                          r" vit_tiny_random is a vit"):

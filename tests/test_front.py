@@ -17,7 +17,8 @@ import pytest
 from conftest import interrupt_when, popen_interruptible
 from PIL import Image
 
-from segment.run.front import config_names, help_text, suggest
+from segment.run.front.compose import config_names, suggest
+from segment.run.front.help import help_text
 
 BIN = Path(sys.executable).parent
 TINY = ["model=vit_tiny_random", "device=cpu", "progress=false"]
@@ -144,7 +145,7 @@ def test_segment_eval_setup_errors_exit_2_in_one_line_and_leave_nothing(tmp_path
 
 
 def test_the_python_api_checks_values_like_the_command():
-    from segment.run.api import compose_config
+    from segment.run.api.segmenter import compose_config
 
     for kw, why in [(dict(escape="oops"), "escape='oops': expected a number (the default is 0.5)"),
                     (dict(method="regions", connectivity="no"), "connectivity='no': expected true or false"),
@@ -168,8 +169,8 @@ def test_one_composition_for_the_commands_and_the_api():
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from segment.run.api import compose_config
-    from segment.run.front import UsageError, compose
+    from segment.run.api.segmenter import compose_config
+    from segment.run.front.compose import UsageError, compose
 
     cfg = compose("segment", ["model=flux_dev", "method=bounce", "batch_size=2"])
     api = compose_config("flux_dev", "bounce")
@@ -188,7 +189,7 @@ def test_one_composition_for_the_commands_and_the_api():
 
 
 def test_values_of_the_right_type_pass_the_check():
-    from segment.run.front import value_problem
+    from segment.run.front.compose import value_problem
 
     for default, value in [(0.2, 1), (0.2, 1e-1), (224, [336, 448]), (224, 448.0), (0.03, None),
                            (True, False), (True, 0), (8, "${oc.env:B}"), ("auto", "cpu"),
@@ -198,7 +199,7 @@ def test_values_of_the_right_type_pass_the_check():
     assert value_problem(8, True) == "expected a number"
     assert value_problem([-1], "all") == "expected a number or a list of numbers, e.g. [-1]"
     assert value_problem([-1], -2) is None and value_problem([224, 224], 448) is None  # one number
-    from segment.run.front import run_value_problem
+    from segment.run.front.compose import run_value_problem
 
     assert run_value_problem("segment-eval", "panels", 4, None) is None  # null = 0 there
     assert run_value_problem("segment", "max_pixels", None, 2e8) is None  # a count written 2e8
@@ -329,7 +330,8 @@ def test_segment_failures_before_the_run_are_one_segment_line(tmp_path):
 
 _CHECK_PATHS = """
 import sys
-from segment.run.front import UsageError, check_paths, compose
+from segment.run.front.command import check_paths
+from segment.run.front.compose import UsageError, compose
 for command, args, want in CASES:
     try:
         check_paths(command, compose(command, args))
@@ -374,7 +376,7 @@ def test_paths_are_checked_before_torch_loads(tmp_path):
 def test_an_unexpected_error_in_a_job_is_one_line_unless_hydra_full_error(monkeypatch, capsys):
     import logging
 
-    from segment.run import front
+    from segment.run.front import command as front
 
     def broken() -> int:
         return {}["model"]

@@ -17,7 +17,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from PIL import Image
 
-from segment.run.pipeline import run_segment
+from segment.run.job.pipeline import run_segment
 
 CHROMIUM = next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser"),
                              shutil.which("google-chrome")) if p), None)

@@ -381,7 +381,7 @@ def test_the_default_method_shows_at_most_eight_knobs_and_its_dataclass_is_the_r
     """Issue 46: the default method (``cuts``) shows at most 8 knobs, and its dataclass
     defaults are the recipe: ``EscapeCuts()`` computes what ``method=cuts`` does."""
     from segment.methods import EscapeCuts
-    from segment.run.front import compose
+    from segment.run.front.compose import compose
 
     assert compose("segment", []).method._target_ == "segment.methods.EscapeCuts"
     node = OmegaConf.to_container(compose_method("cuts"), resolve=True)

@@ -1,4 +1,4 @@
-"""segment.run.lock: one run per output folder (a lock file with the holder's pid and host,
+"""segment.run.job.lock: one run per output folder (a lock file with the holder's pid and host,
 stale locks taken over), in one process, against another process, and two `segment`
 commands started at the same moment."""
 
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from segment.run.lock import LOCK_NAME, FolderBusy, OutputLock, holder
+from segment.run.job.lock import LOCK_NAME, FolderBusy, OutputLock, holder
 
 BIN = Path(sys.executable).parent
 TINY = ["model=vit_tiny_random", "device=cpu", "progress=false", "render.fsync=false"]
@@ -79,7 +79,7 @@ def test_a_lock_left_by_a_dead_process_is_stale_and_taken_over(tmp_path):
 _HOLD = """
 import sys, time
 from pathlib import Path
-from segment.run.lock import OutputLock
+from segment.run.job.lock import OutputLock
 lock = OutputLock(sys.argv[1])
 lock.acquire()
 print("held", flush=True)
@@ -103,7 +103,7 @@ def other_holder(tmp_path):
 def test_segment_into_a_folder_another_process_holds_exits_3_in_one_line(tmp_path, other_holder):
     from hydra import compose, initialize_config_module
 
-    from segment.run.pipeline import run_segment
+    from segment.run.job.pipeline import run_segment
 
     out, proc = other_holder
     src = _images(tmp_path / "in", 2)
@@ -125,8 +125,8 @@ def test_segment_into_a_folder_another_process_holds_exits_3_in_one_line(tmp_pat
 
 _START_AT_ONCE = """
 import os, sys, time
-from segment.run import cli
-import segment.run.pipeline  # the heavy imports before the start line
+from segment.run.job import cli
+import segment.run.job.pipeline  # the heavy imports before the start line
 go = sys.argv[1]
 while not os.path.exists(go):
     time.sleep(0.005)

@@ -1,4 +1,4 @@
-"""segment.run.outputs: post-processing, per-image files, COCO, gallery, atomic writes."""
+"""The files of a `segment` run (segment.run.api.render, segment.run.job.records, coco, manifest, gallery): post-processing, per-image files, COCO, gallery, atomic writes."""
 
 from __future__ import annotations
 
@@ -18,26 +18,25 @@ from pycocotools.coco import COCO
 
 import segment.utils
 from segment.core.masks import MethodOutput, threshold_mean
-from segment.run import outputs
-from segment.run.outputs import (
-    BACKGROUND_ID,
-    FOREGROUND_ID,
+from segment.run.api import render
+from segment.run.job import coco, records
+from segment.run.api.render import (
     RenderOptions,
     Segmentation,
-    build_coco,
-    coco_annotations,
     colorize,
     label_image,
-    load_record,
     palette,
     postprocess,
-    record_is_current,
-    rel_output,
-    render_gallery,
-    write_coco,
-    write_gallery,
-    write_image,
 )
+from segment.run.job.coco import (
+    BACKGROUND_ID,
+    FOREGROUND_ID,
+    build_coco,
+    coco_annotations,
+    write_coco,
+)
+from segment.run.job.gallery import render_gallery, write_gallery
+from segment.run.job.records import load_record, record_is_current, rel_output, write_image
 
 FAST = RenderOptions(fsync=False, thumb_size=32)
 
@@ -74,7 +73,7 @@ def test_single_threaded_rendering_restores_opencv_threads_on_error():
     cv2.setNumThreads(2)
     try:
         with pytest.raises(RuntimeError, match="boom"):
-            with outputs.single_threaded_rendering():
+            with render.single_threaded_rendering():
                 assert cv2.getNumThreads() == 1
                 raise RuntimeError("boom")
         assert cv2.getNumThreads() == 2
@@ -126,13 +125,13 @@ def test_quantize_rounds_half_to_even_and_saturates():
                         np.float32([0.0, 1.0, -0.3, 1.7])]).reshape(1, -1)
     assert (np.float32(255) * r == np.floor(np.float32(255) * r) + 0.5).sum() > 100  # real ties
     want = np.clip(np.rint(r * 255.0), 0, 255).astype(np.uint8)
-    np.testing.assert_array_equal(outputs.quantize(r), want)
+    np.testing.assert_array_equal(render.quantize(r), want)
 
 
 @pytest.mark.parametrize("k", [7, 256, 300])
 def test_region_colors_are_the_palette_gather(k):
     lab = np.random.default_rng(k).integers(0, k, (23, 31)).astype(np.int32)
-    got = outputs.region_colors(lab, k)
+    got = render.region_colors(lab, k)
     assert got.dtype == np.uint8 and got.flags.c_contiguous
     np.testing.assert_array_equal(got, palette(k)[lab])
 
@@ -247,18 +246,18 @@ def test_region_outputs_labels_png_and_overlay(tmp_path):
 def _coco_annotations_reference(seg: Segmentation) -> list[dict]:
     """One mask per region: the direct definition that coco_annotations must equal."""
     if seg.labels is None:
-        parts = [(None, seg.mask, outputs.FOREGROUND_ID)]
+        parts = [(None, seg.mask, coco.FOREGROUND_ID)]
     else:
         parts = []
         for k in np.unique(seg.labels).tolist():
             fg = bool(seg.foreground[k]) if k < len(seg.foreground) else False
-            parts.append((int(k), seg.labels == k, outputs.FOREGROUND_ID if fg else outputs.BACKGROUND_ID))
+            parts.append((int(k), seg.labels == k, coco.FOREGROUND_ID if fg else coco.BACKGROUND_ID))
     anns = []
     for region, m, cat in parts:
         if not m.any():
             continue
         rle = mask_utils.encode(np.asfortranarray(m.astype(np.uint8)))
-        anns.append(outputs._annotation(rle, cat, float(seg.heatmap[m].mean()), region))
+        anns.append(coco._annotation(rle, cat, float(seg.heatmap[m].mean()), region))
     return anns
 
 
@@ -354,7 +353,7 @@ def test_a_full_disk_mid_image_leaves_none_of_its_files(tmp_path, monkeypatch, f
     write_image(tmp_path, "x", _image(20, 30, 1), _binary_seg(20, 30), FAST, **_fields("x"))
     before = {p: p.read_bytes() for p in _all_files(tmp_path)}
     calls = {"n": 0}
-    real = outputs.atomic_write_bytes
+    real = records.atomic_write_bytes
 
     def filling(path, data, fsync=True):
         calls["n"] += 1
@@ -362,12 +361,12 @@ def test_a_full_disk_mid_image_leaves_none_of_its_files(tmp_path, monkeypatch, f
             raise OSError(28, "No space left on device", str(path))
         return real(path, data, fsync)
 
-    monkeypatch.setattr(outputs, "atomic_write_bytes", filling)
-    with pytest.raises(outputs.OutputWriteError) as got:
+    monkeypatch.setattr(records, "atomic_write_bytes", filling)
+    with pytest.raises(records.OutputWriteError) as got:
         write_image(tmp_path, "x", _image(20, 30, 2), _region_seg(20, 30), FAST, **_fields("x"))
     assert got.value.errno == 28 and isinstance(got.value, OSError)
     assert "No space left on device" in str(got.value) and str(got.value.path).startswith(str(tmp_path))
-    monkeypatch.setattr(outputs, "atomic_write_bytes", real)
+    monkeypatch.setattr(records, "atomic_write_bytes", real)
     left = _all_files(tmp_path)
     assert [p for p in left if "x" in p.stem] == [], left
     assert {p: p.read_bytes() for p in left} == {p: b for p, b in before.items() if "x" not in p.stem}
@@ -461,7 +460,7 @@ def test_thumbnails_are_small_for_big_images(tmp_path):
 def test_gallery_legend_and_region_keys(tmp_path):
     """The colour bar is the run's colour map; under each label map, the regions the
     method called foreground are ringed, the others plain, in their palette colours."""
-    from segment.run.outputs import colormap_lut, palette
+    from segment.run.api.render import colormap_lut, palette
 
     seg = _region_seg(20, 30)
     rec = write_image(tmp_path, "sub/long_name-with parts", _image(20, 30), seg, FAST, **_fields("r"))

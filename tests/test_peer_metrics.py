@@ -212,7 +212,7 @@ def test_segment_eval_folder_reports_peer_metrics_at_original_resolution(tmp_pat
     from segment.datasets.folder import FolderPairs
     from segment.eval.specs import instantiate_method, resolve_methods
 
-    from segment.run.outputs import postprocess
+    from segment.run.api.render import postprocess
 
     folder = _folder(tmp_path / "set")
     out = tmp_path / "out"

@@ -1,4 +1,4 @@
-"""segment.run.pipeline: whole runs with the tiny random ViT (CPU, seconds)."""
+"""segment.run.job.pipeline: whole runs with the tiny random ViT (CPU, seconds)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pycocotools.coco import COCO
 from segment.core.masks import MethodOutput
 from segment.core.record import AttentionRecord, Capture
 from segment.models.base import Backbone
-from segment.run.pipeline import SegmentRun, config_fingerprint, run_segment
+from segment.run.job.pipeline import SegmentRun, config_fingerprint, run_segment
 
 # pycocotools 2.0.11 + numpy 2: a deprecation warning inside annToMask, not ours
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
@@ -155,7 +155,7 @@ def test_resume_skips_done_images_and_keeps_them_in_summaries(tmp_path):
 def test_rendering_runs_with_opencv_single_threaded_and_restores_it(tmp_path, monkeypatch):
     import cv2
 
-    import segment.run.stages as stages_mod
+    import segment.run.job.stages as stages_mod
 
     seen = []
     real = stages_mod.write_image
@@ -485,12 +485,12 @@ def test_pipeline_benchmark_stages_run_as_the_pipeline_runs_them(tmp_path, monke
     writing on one torch thread (as its writer threads)."""
     from segment.eval.bench.pipeline import main
 
-    import segment.run.api as api_mod
+    import segment.run.api.segmenter as api_mod
     import segment.run.io as io_mod
-    import segment.run.outputs as outputs_mod
+    import segment.run.job.records as records_mod
 
     applied, write_threads, read_threads = [], [], []
-    real_apply, real_write, real_read = api_mod.Segmenter.apply, outputs_mod.write_image, io_mod.read_image
+    real_apply, real_write, real_read = api_mod.Segmenter.apply, records_mod.write_image, io_mod.read_image
 
     def read(*a, **k):
         read_threads.append(torch.get_num_threads())
@@ -505,7 +505,7 @@ def test_pipeline_benchmark_stages_run_as_the_pipeline_runs_them(tmp_path, monke
         return real_write(*a, **k)
 
     monkeypatch.setattr(api_mod.Segmenter, "apply", apply)
-    monkeypatch.setattr(outputs_mod, "write_image", write)
+    monkeypatch.setattr(records_mod, "write_image", write)
     monkeypatch.setattr(io_mod, "read_image", read)
     before = torch.get_num_threads()
     try:
@@ -546,7 +546,7 @@ def test_vit_record_is_the_same_at_one_and_two_threads():
 def test_run_readers_use_one_torch_thread_and_the_method_the_runs(tmp_path, monkeypatch):
     """Reading runs on one torch thread per reader; the method thread on the run's torch
     threads (whatever a reader set before it started)."""
-    import segment.run.api as api_mod
+    import segment.run.api.segmenter as api_mod
 
     seen = {"preprocess": [], "apply": []}
     real_pre, real_apply = api_mod.Segmenter.preprocess, api_mod.Segmenter.apply
@@ -604,7 +604,7 @@ def _same_outputs(ref: Path, out: Path) -> None:
 def _filling_disk(monkeypatch, room: int, forever: bool = True) -> dict[str, int]:
     """Every file write (per-image files and run files) fails with ENOSPC after ``room``
     files, as on a full disk: all later writes (``forever``) or only that one."""
-    import segment.run.outputs as outputs_mod
+    import segment.run.job.records as records_mod
     import segment.utils as utils_mod
 
     real = utils_mod.atomic_write_bytes
@@ -620,7 +620,7 @@ def _filling_disk(monkeypatch, room: int, forever: bool = True) -> dict[str, int
             raise OSError(28, "No space left on device")  # os.write's error names no file
         return real(path, data, fsync)
 
-    monkeypatch.setattr(outputs_mod, "atomic_write_bytes", write)
+    monkeypatch.setattr(records_mod, "atomic_write_bytes", write)
     monkeypatch.setattr(utils_mod, "atomic_write_bytes", write)
     return state
 
@@ -679,7 +679,7 @@ def test_a_resume_skips_unchanged_unreadable_files_without_loading_the_model(tmp
     """Files run.json lists as refused (unreadable, too small) are skipped again while their
     size and mtime are unchanged: with nothing else to do the model is not even built; a
     changed file, or retry_skipped=true, reads them again."""
-    import segment.run.pipeline as pipeline_mod
+    import segment.run.job.pipeline as pipeline_mod
 
     src, out = tmp_path / "in", tmp_path / "out"
     reasons = make_folder(src)  # 5 good images, 4 bad files (3 unreadable, 1 too small)
@@ -730,8 +730,8 @@ def test_a_resume_of_only_a_too_small_image_does_not_load_the_model(tmp_path, mo
     """A 1x1 PNG is refused (smaller than one patch), and a rerun neither reads it again nor
     loads the model while the file, min_size, max_pixels and the model are unchanged; a
     change of the model (its patch decides "too small" without min_size) reads it again."""
-    import segment.run.pipeline as pipeline_mod
-    import segment.run.stages as stages_mod
+    import segment.run.job.pipeline as pipeline_mod
+    import segment.run.job.stages as stages_mod
 
     src, out = tmp_path / "in", tmp_path / "out"
     src.mkdir()

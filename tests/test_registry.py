@@ -1,4 +1,4 @@
-"""The configs folder as a registry (segment.run.registry): list_models / list_methods /
+"""The configs folder as a registry (segment.run.api.registry): list_models / list_methods /
 list_datasets read the folder, create_method composes a method file as the commands do,
 load takes a built method, and the package shows its lazy API to dir() and type checkers."""
 
@@ -17,8 +17,8 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 import segment
-from segment.run.front import compose
-from segment.run.registry import method_config
+from segment.run.front.compose import compose
+from segment.run.api.registry import method_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -105,7 +105,7 @@ def test_create_method_refusals_name_the_problem_and_suggest():
     with pytest.raises(ValueError, match=r"regions: steps=2.5: expected a whole number"):
         segment.create_method("regions", steps=2.5)
     # the constructor's own refusal comes through as it is (not Hydra's wrapper)
-    with pytest.raises(ValueError, match=r"^cuts: escape must lie in \(0, 2\]"):
+    with pytest.raises(ValueError, match=r"^cannot build method 'cuts': cuts: escape must lie in \(0, 2\]"):
         segment.create_method("cuts", escape=3.0)
 
 

@@ -1,4 +1,4 @@
-"""segment.run.shard: ``torchrun -m segment`` with 2 gloo ranks on CPU equals one process, and a
+"""segment.run.job.shard: ``torchrun -m segment`` with 2 gloo ranks on CPU equals one process, and a
 run resumed with another number of ranks completes it from the per-image records."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 from segment.run.dist import DistContext
-from segment.run.shard import RankReport, share
+from segment.run.job.shard import RankReport, share
 
 from conftest import segment_in_process
 

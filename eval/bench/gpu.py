@@ -424,7 +424,7 @@ class SelfCheck:
         output (its masks serve as labels for the segment-eval check)."""
         from PIL import Image
 
-        from segment.run.pipeline import run_segment
+        from segment.run.job.pipeline import run_segment
 
         src = self.work / "examples"
         if not src.is_dir():
@@ -607,7 +607,7 @@ def compose(name: str, overrides: list[str]):
 
 def method_names() -> list[str]:
     """Every method config (``configs/method/*.yaml``)."""
-    from segment.run.front import config_names
+    from segment.run.front.compose import config_names
 
     return config_names("method")
 

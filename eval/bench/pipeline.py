@@ -9,7 +9,7 @@ busy machine slows both alike; the medians are reported.
 - **bare forward**: ``backbone.forward_plain`` (fused attention everywhere, nothing
   captured) on batches of already preprocessed images; decoding and resizing are not
   counted. This is the speed of the model alone.
-- **pipeline**: :class:`segment.run.pipeline.SegmentRun` on a folder of the same images into a
+- **pipeline**: :class:`segment.run.job.pipeline.SegmentRun` on a folder of the same images into a
   fresh output folder: listing, decoding, EXIF, preprocessing, attention capture, the
   method, protocol post-processing at the original resolution, every output file, per-image
   records, ``annotations.json``, ``index.html`` and ``run.json``. Only building the model is
@@ -148,15 +148,11 @@ def _stage_costs(backbone: Backbone, method: Any, files: list, batches: list, n:
     post-processing and writing on one torch thread.
     """
     from segment.core.masks import label_upsampling_setting
-    from segment.run.api import Segmenter
+    from segment.run.api.segmenter import Segmenter
     from segment.run.io import read_image
-    from segment.run.outputs import (
-        RenderOptions,
-        postprocess,
-        single_threaded_rendering,
-        write_image,
-    )
-    from segment.run.pipeline import config_fingerprint
+    from segment.run.api.render import RenderOptions, postprocess, single_threaded_rendering
+    from segment.run.job.records import write_image
+    from segment.run.job.pipeline import config_fingerprint
 
     opts = RenderOptions(**OmegaConf.to_container(cfg.render, resolve=True))
     device = torch.device(backbone.device)
@@ -202,7 +198,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from hydra.utils import instantiate
 
     from segment.run.io import find_images, read_image
-    from segment.run.pipeline import SegmentRun
+    from segment.run.job.pipeline import SegmentRun
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -2,7 +2,7 @@
 
 ``torchrun --nproc_per_node=K -m segment.eval ...`` (or ``-m segment``) sets ``RANK``,
 ``WORLD_SIZE`` and ``LOCAL_RANK``; :func:`init` then joins the process group (NCCL on CUDA,
-gloo on CPU; ``segment`` always asks for gloo, :mod:`segment.run.shard`), each rank takes
+gloo on CPU; ``segment`` always asks for gloo, :mod:`segment.run.job.shard`), each rank takes
 every K-th image (:func:`shard`), and what the ranks computed is gathered to rank 0
 (:func:`gather`): ``segment-eval`` sums the per-image metric states in data set order, so
 the merged numbers are the same as a single-process run's.

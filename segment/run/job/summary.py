@@ -18,21 +18,20 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from segment.run.outputs import (
-    OutputWriteError,
-    device_info,
-    package_versions,
-    write_coco,
-    write_gallery,
-    write_manifest,
-)
-from segment.run.state import RunSettings, RunState
+from segment.run.job.coco import write_coco
+
+from segment.run.job.gallery import write_gallery
+
+from segment.run.job.manifest import device_info, package_versions, write_manifest
+
+from segment.run.job.records import OutputWriteError
+from segment.run.job.state import RunSettings, RunState
 from segment.utils import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 
 __all__ = ["EXIT_NOTHING_DONE", "config_dict", "fault_line", "final_line", "outcome", "write_run_file",
            "write_summary"]
 
-log = logging.getLogger("segment.run.pipeline")  # the run's lines keep one logger name
+log = logging.getLogger("segment.run.job.pipeline")  # the run's lines keep one logger name
 
 EXIT_NOTHING_DONE = EXIT_FAILED
 

@@ -10,7 +10,7 @@ network file systems that support it (NFSv4, Lustre with ``-o flock``); where it
 supported, a lock file of this host whose process is gone is stale, and one of another
 host is honoured (the message names the file to delete if that run is gone).
 
-Under ``torchrun`` rank 0 holds the lock for the whole run (:mod:`segment.run.shard`): the
+Under ``torchrun`` rank 0 holds the lock for the whole run (:mod:`segment.run.job.shard`): the
 ranks of one run are one run.
 """
 
@@ -268,3 +268,11 @@ def holder(folder: str | os.PathLike) -> Holder | None:
         return h if h is not None and h.alive() is not False else None
     finally:
         os.close(fd)
+
+
+def in_use(folder: str | os.PathLike) -> str | None:
+    """The message naming the live run that holds ``folder`` (:func:`holder`), or ``None``:
+    the ``segment`` command's check before Hydra writes into the folder (exit 3; the run
+    itself takes the lock later, so two runs started at once are told apart there)."""
+    h = holder(folder)
+    return None if h is None else busy_message(folder, h)

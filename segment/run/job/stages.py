@@ -1,6 +1,6 @@
 """The stage runner of a ``segment`` run: read -> extract -> method -> write.
 
-:class:`StageRunner` takes the planned :class:`~segment.run.plan.Item` s through four stages
+:class:`StageRunner` takes the planned :class:`~segment.run.job.plan.Item` s through four stages
 with explicit hand-offs between them::
 
     loader threads  read, EXIF, RGB, Segmenter.preprocess        -> reads (read-ahead window)
@@ -36,16 +36,18 @@ import torch
 
 from segment.core.masks import MethodOutput
 from segment.core.record import AttentionRecord
-from segment.run.api import Segmenter
+from segment.run.api.segmenter import Segmenter
 from segment.run.io import ImageReadError, read_image
-from segment.run.outputs import ImageRecord, ImageStatus, OutputWriteError, RenderOptions, write_image
-from segment.run.plan import Item
-from segment.run.state import RunState
+from segment.run.api.render import RenderOptions
+from segment.run.job.manifest import ImageStatus
+from segment.run.job.records import ImageRecord, OutputWriteError, write_image
+from segment.run.job.plan import Item
+from segment.run.job.state import RunState
 from segment.utils import unwrap_instantiation
 
 __all__ = ["ModelFailed", "OutputFault", "StageRunner", "StageSettings", "describe"]
 
-log = logging.getLogger("segment.run.pipeline")  # the run's lines keep one logger name
+log = logging.getLogger("segment.run.job.pipeline")  # the run's lines keep one logger name
 
 
 class ModelFailed(Exception):
@@ -384,7 +386,7 @@ class StageRunner:
         """``item`` could not be segmented; a file refused for itself (``unreadable``: not an
         image, corrupt, too large or too small) keeps its size and mtime in run.json, so a
         rerun skips it while it and the refusing settings are unchanged (see
-        :func:`segment.run.plan.plan_items`)."""
+        :func:`segment.run.job.plan.plan_items`)."""
         st = ImageStatus(item.file.name, item.file.rel, "skipped", reason)
         if unreadable:
             st.unreadable, st.source_bytes, st.source_mtime_ns = True, item.source_bytes, item.source_mtime_ns

@@ -2,25 +2,25 @@
 
 Flow (:func:`run_segment`; :class:`SegmentRun` orchestrates, the parts are modules)::
 
-    plan (segment.run.plan): find_images, the lock, resume: skip images whose record is
+    plan (segment.run.job.plan): find_images, the lock, resume: skip images whose record is
         current and unchanged files an earlier run found unreadable
-    ──> build the Segmenter (segment.run.api: backbone + method; the Python API's object)
-    ──> stages (segment.run.stages), overlapped:
+    ──> build the Segmenter (segment.run.api.segmenter: backbone + method; the Python API's object)
+    ──> stages (segment.run.job.stages), overlapped:
         loader threads: read + EXIF + RGB + Segmenter.preprocess
         ──> main thread: batches of one preprocessed size -> Segmenter.extract
         ──> method thread: Segmenter.apply on each batch's attention record (batch i
             while the main thread runs the forward of batch i + 1)
         ──> writer threads: Segmenter.postprocess at the original size, files, record
-    ──> summary (segment.run.summary): annotations.json, index.html, run.json from the
+    ──> summary (segment.run.job.summary): annotations.json, index.html, run.json from the
         records of every image, the exit code, the last line
 
-What the run knows is in two dataclasses passed to each part (:mod:`segment.run.state`):
-:class:`~segment.run.state.RunSettings` (the checked run settings) and
-:class:`~segment.run.state.RunState` (files, statuses, records, timings, faults).
+What the run knows is in two dataclasses passed to each part (:mod:`segment.run.job.state`):
+:class:`~segment.run.job.state.RunSettings` (the checked run settings) and
+:class:`~segment.run.job.state.RunState` (files, statuses, records, timings, faults).
 Helper threads run on one torch thread each, so only the forward holds an OpenMP team.
-Several processes (CPUs or GPUs, one node or many) are ``torchrun``'s (:mod:`segment.run.shard`).
+Several processes (CPUs or GPUs, one node or many) are ``torchrun``'s (:mod:`segment.run.job.shard`).
 
-The per-batch computation is :class:`segment.run.api.Segmenter`'s, the object ``segment.load``
+The per-batch computation is :class:`segment.run.api.segmenter.Segmenter`'s, the object ``segment.load``
 returns, so the command's masks and the API's are the same computation.
 
 "Done" is recorded per image by ``records/<name>.json``, written after all of that image's
@@ -29,10 +29,10 @@ method config (a fingerprint), the source file has the same size and mtime, and 
 it lists exist. ``annotations.json`` and ``index.html`` are rebuilt from the records at the
 end of every run, so a resumed run lists every image of the input. Under ``torchrun`` each
 rank runs this flow on its share of the sorted list and rank 0 writes the run-level files
-(:mod:`segment.run.shard`).
+(:mod:`segment.run.job.shard`).
 
 One run per output folder: the run holds ``<output>/.segment.lock`` (its pid and host,
-:mod:`segment.run.lock`) from the scan to the run files; a second run into the same folder
+:mod:`segment.run.job.lock`) from the scan to the run files; a second run into the same folder
 stops at once with one line naming the first (exit 3), and a lock left by a run that died
 is taken over. A write the output file system refuses (a full disk, a quota, a read-only
 remount) stops the run at once (exit 1): the images finished stay complete, the image
@@ -63,13 +63,14 @@ from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
 from segment.models.base import Backbone
-from segment.run import plan, shard, summary
-from segment.run.api import Segmenter
+from segment.run.job import plan, shard, summary
+from segment.run.api.segmenter import Segmenter
+from segment.run.front.build import BuildError
 from segment.run.io import InputError, bundled_examples, no_images_message
-from segment.run.lock import FolderBusy, OutputLock
-from segment.run.outputs import single_threaded_rendering
-from segment.run.stages import OutputFault, StageRunner, StageSettings, describe
-from segment.run.state import RunSettings, RunState, config_fingerprint
+from segment.run.job.lock import FolderBusy, OutputLock
+from segment.run.api.render import single_threaded_rendering
+from segment.run.job.stages import OutputFault, StageRunner, StageSettings, describe
+from segment.run.job.state import RunSettings, RunState, config_fingerprint
 from segment.utils import (
     EXIT_BAD_INPUT,
     EXIT_BUSY,
@@ -92,12 +93,12 @@ class SegmentRun:
         backbone: an already built backbone (benchmarks reuse one); default: built from
             ``cfg.model``.
         method: an already built method; default: built from ``cfg.method``.
-        ctx: this process's place under torchrun (:mod:`segment.run.shard`); default: a single
+        ctx: this process's place under torchrun (:mod:`segment.run.job.shard`); default: a single
             process.
 
     Attributes:
-        settings: the checked run settings (:class:`~segment.run.state.RunSettings`).
-        state: what the run found and did (:class:`~segment.run.state.RunState`;
+        settings: the checked run settings (:class:`~segment.run.job.state.RunSettings`).
+        state: what the run found and did (:class:`~segment.run.job.state.RunState`;
             ``state.timings`` for benchmarks).
 
     Raises:
@@ -165,7 +166,7 @@ class SegmentRun:
 
     def _run(self, input_path: Path) -> int:
         """Scan, plan, build, segment; the exit code so far (rank 0 under torchrun decides
-        it from every rank's statuses, :func:`segment.run.shard.finish`)."""
+        it from every rank's statuses, :func:`segment.run.job.shard.finish`)."""
         state, out = self.state, self.settings.out
         ts = time.perf_counter()
         try:  # torchrun: rank 0 lists and locks, all get its listing
@@ -191,9 +192,10 @@ class SegmentRun:
             ts = time.perf_counter()
             try:
                 self._build()
-            except Exception as e:  # a model/method that cannot be built stops the run
+            except Exception as e:  # a model/method that cannot be built (or used) stops the run
                 log.debug("building the model/method failed", exc_info=True)
-                return self._fail(f"cannot build the model or method: {describe(e)}")
+                return self._fail(str(e) if isinstance(e, BuildError)
+                                  else f"cannot build the model or method: {describe(e)}")
             state.timings.model_load_s = time.perf_counter() - ts
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -215,7 +217,7 @@ class SegmentRun:
         """The Segmenter (backbone and method) on this process's device, and the stage
         runner for it."""
         s = self.settings
-        if self.ctx.distributed:  # torchrun: cuda:LOCAL_RANK (segment.run.shard.init)
+        if self.ctx.distributed:  # torchrun: cuda:LOCAL_RANK (segment.run.job.shard.init)
             self.state.device = self.ctx.device
             on_rank = {"device": str(self.state.device)} if "device" in self.cfg.model else {}
         else:
@@ -252,7 +254,7 @@ def run_segment(cfg: DictConfig, **kwargs: Any) -> int:
     code (see the module docstring). ``kwargs`` go to :class:`SegmentRun`.
 
     Under ``torchrun`` (``WORLD_SIZE > 1``) this process joins the group and segments its
-    share of the images; rank 0 writes the run files (:mod:`segment.run.shard`).
+    share of the images; rank 0 writes the run files (:mod:`segment.run.job.shard`).
     """
     try:
         ctx = shard.init(cfg.get("device", "auto")) if shard.launched() else shard.DistContext()

@@ -8,7 +8,7 @@
    rank finishes; each rank computes on ``cuda:LOCAL_RANK``);
 2. gets rank 0's listing of the input (:func:`scan`: one scan, so every rank sees the same
    sorted file list even if the folder changes meanwhile); rank 0 also takes the output
-   folder's lock (:mod:`segment.run.lock`) for the whole run: its ranks are one run;
+   folder's lock (:mod:`segment.run.job.lock`) for the whole run: its ranks are one run;
 3. takes every K-th image of that sorted list (:func:`share`, :func:`segment.run.dist.shard`)
    and plans, segments and writes it exactly like a single process: every per-image file
    and its ``records/<name>.json`` are written by the rank that made them;
@@ -34,10 +34,10 @@ from typing import Any, TypeVar
 from segment.run import dist
 from segment.run.dist import DistContext
 from segment.run.io import InputError
-from segment.run.outputs import ImageStatus, device_info
-from segment.run.plan import current_record
-from segment.run.state import RunSettings, RunState
-from segment.run.summary import outcome
+from segment.run.job.manifest import ImageStatus, device_info
+from segment.run.job.plan import current_record
+from segment.run.job.state import RunSettings, RunState
+from segment.run.job.summary import outcome
 from segment.utils import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 
 T = TypeVar("T")
@@ -96,7 +96,7 @@ class RankReport:
         rank: the rank.
         images: how many images were its share.
         statuses: the per-image statuses of its share (``name`` -> status dict of
-            :class:`segment.run.outputs.ImageStatus`).
+            :class:`segment.run.job.manifest.ImageStatus`).
         timings: its stage timings (seconds).
         device: its device description.
         interrupted: it stopped on Ctrl-C.
@@ -129,7 +129,7 @@ def merge(report: RankReport, ctx: DistContext) -> list[RankReport] | None:
 
 
 def finish(state: RunState, settings: RunSettings, ctx: DistContext, code: int) -> int:
-    """End of a distributed ``segment`` run (:class:`segment.run.pipeline.SegmentRun`; every
+    """End of a distributed ``segment`` run (:class:`segment.run.job.pipeline.SegmentRun`; every
     rank calls it with its run state).
 
     Every rank sends its statuses and timings to rank 0 (:func:`merge`). Rank 0 takes the
@@ -146,7 +146,7 @@ def finish(state: RunState, settings: RunSettings, ctx: DistContext, code: int) 
 
     Returns:
         The run's exit code on rank 0 (130 if any rank was interrupted, 1 if a rank's output
-        file system refused a write, else :func:`segment.run.summary.outcome`), ``code``
+        file system refused a write, else :func:`segment.run.job.summary.outcome`), ``code``
         elsewhere.
     """
     report = RankReport(

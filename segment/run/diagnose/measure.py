@@ -7,18 +7,16 @@ mass, the stable rank, the KL of the rows from uniform. The measures are average
 images (with their standard deviation); a second model (``compare``) is measured on the
 same images, and the report shows the two side by side with the per-measure difference.
 
-Files written by the command (``output=DIR``): ``diagnostics.json`` (settings, one row per
-model, layer and head, per-image rows when ``per_image=true``, the difference of the
-models), ``diagnostics.csv`` (the head rows), ``per_image.csv`` (with ``per_image=true``)
-and ``report.html`` (:mod:`segment.run.report`).
+Files written by the command (``output=DIR``, :mod:`segment.run.diagnose.command`):
+``diagnostics.json`` (settings, one row per model, layer and head, per-image rows when
+``per_image=true``, the difference of the models), ``diagnostics.csv`` (the head rows),
+``per_image.csv`` (with ``per_image=true``) and ``report.html``
+(:mod:`segment.run.diagnose.report`).
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import logging
-import math
 import os
 import time
 from collections.abc import Sequence
@@ -34,19 +32,11 @@ from PIL import Image
 from segment.core import diagnostics as dg
 from segment.core.record import Capture
 from segment.models.base import Backbone
-from segment.run.front import config_names, suggest
-from segment.run.io import ImageReadError, InputError, bundled_examples, find_images, read_image
-from segment.utils import (
-    EXIT_BAD_INPUT,
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    atomic_write_json,
-    atomic_write_text,
-    unwrap_instantiation,
-)
+from segment.run.front.build import build
+from segment.run.front.compose import config_names, suggest
+from segment.run.io import find_images
 
-__all__ = ["Diagnosis", "ModelDiagnostics", "diagnose", "run_diagnose", "write_files"]
+__all__ = ["DESCRIPTIONS", "Diagnosis", "ModelDiagnostics", "diagnose", "measure_model"]
 
 log = logging.getLogger(__name__)
 
@@ -238,9 +228,9 @@ def measure_model(
     )
 
 
-def _model_config(name: str, checkpoint: str | os.PathLike | None, device: str,
+def model_config(name: str, checkpoint: str | os.PathLike | None, device: str,
                   overrides: dict[str, Any], what: str = "model") -> DictConfig:
-    from segment.run.api import compose_config
+    from segment.run.api.segmenter import compose_config
 
     names = config_names("model")
     if name not in names:
@@ -251,17 +241,14 @@ def _model_config(name: str, checkpoint: str | os.PathLike | None, device: str,
     return cfg.model
 
 
-def _build(model_cfg: DictConfig, device: str) -> Backbone:
-    from hydra.utils import instantiate
+def build_model(model_cfg: DictConfig, device: str) -> Backbone:
+    """The backbone of a model config on ``device`` (``${device}`` in the config resolves to it).
 
+    Raises:
+        BuildError: (a ``ValueError``) one line naming the model and the problem.
+    """
     cfg = OmegaConf.create({"device": device, "model": model_cfg})
-    try:
-        return instantiate(cfg.model)
-    except Exception as e:  # Hydra wraps constructor errors; give the real one
-        cause = unwrap_instantiation(e)
-        if cause is not e:
-            raise cause from None
-        raise
+    return build(cfg.model, Backbone, f"the model {model_cfg.get('name')}")
 
 
 def diagnose(
@@ -300,7 +287,7 @@ def diagnose(
         ValueError: an unknown model or key (with a suggestion), or no images.
         ImageReadError: a file that cannot be read.
     """
-    from segment.run.api import to_image
+    from segment.run.api.segmenter import to_image
 
     if isinstance(images, (str, os.PathLike)) and Path(images).expanduser().is_dir():
         listing = find_images(images)
@@ -312,12 +299,12 @@ def diagnose(
         raise ValueError("no images to diagnose")
     names = _names(items)
     pil = [to_image(x) for x in items]
-    cfgs = [_model_config(model, checkpoint, device, overrides)]
+    cfgs = [model_config(model, checkpoint, device, overrides)]
     if compare is not None:
-        cfgs.append(_model_config(compare, compare_checkpoint, device, overrides, "compare model"))
+        cfgs.append(model_config(compare, compare_checkpoint, device, overrides, "compare model"))
     out = []
     for cfg in cfgs:
-        backbone = _build(cfg, device)
+        backbone = build_model(cfg, device)
         out.append(measure_model(
             backbone, pil, names, alpha=alpha, threshold=threshold, top=top, progress=progress,
             config=OmegaConf.to_container(cfg, resolve=False),
@@ -327,135 +314,3 @@ def diagnose(
 
 
 # --------------------------------------------------------------------------- files
-
-
-def _finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None
-
-
-def to_json(diag: Diagnosis, per_image: bool = False) -> dict[str, Any]:
-    """``diagnostics.json`` as a dict."""
-    models = []
-    for m in diag.models:
-        entry: dict[str, Any] = {
-            "name": m.name, "config": m.config, "layers": m.num_layers, "heads": m.num_heads,
-            "tokens": m.num_tokens, "prefix": m.prefix, "grid": list(m.grid),
-            "images": m.images, "settings": m.settings,
-            "seconds": {k: round(v, 3) for k, v in m.seconds.items()},
-            "summary": m.summary(),
-            "rows": [{k: (_finite(v) if isinstance(v, float) else v) for k, v in r.items()}
-                     for r in m.rows()],
-        }
-        if per_image:
-            entry["image_rows"] = m.image_rows()
-        models.append(entry)
-    return {"measures": DESCRIPTIONS, "models": models, "difference": diag.difference()}
-
-
-def _csv(rows: list[dict[str, Any]]) -> str:
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
-    w.writeheader()
-    for r in rows:
-        w.writerow({k: (f"{v:.9g}" if isinstance(v, float) else v) for k, v in r.items()})
-    return buf.getvalue()
-
-
-def write_files(diag: Diagnosis, out: str | os.PathLike, *, per_image: bool = False,
-                report: bool = True) -> dict[str, Path]:
-    """Write ``diagnostics.json``, ``diagnostics.csv`` (and ``per_image.csv``,
-    ``report.html``) into ``out``; returns the paths by name."""
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = {"json": folder / "diagnostics.json", "csv": folder / "diagnostics.csv"}
-    atomic_write_json(paths["json"], to_json(diag, per_image))
-    atomic_write_text(paths["csv"], _csv([r for m in diag.models for r in m.rows()]))
-    if per_image:
-        paths["per_image"] = folder / "per_image.csv"
-        atomic_write_text(paths["per_image"], _csv([r for m in diag.models for r in m.image_rows()]))
-    if report:
-        from segment.run.report import write_report
-
-        paths["report"] = write_report(diag, folder / "report.html")
-    return paths
-
-
-# --------------------------------------------------------------------------- the command
-
-
-def _read_all(root: Path) -> tuple[list[Image.Image], list[str]]:
-    listing = find_images(root)
-    images, names = [], []
-    for f in listing.files:
-        try:
-            images.append(read_image(f.path).image)
-            names.append(f.rel)
-        except ImageReadError as e:
-            log.warning("skipped %s: %s", f.path, e.reason)
-    if not listing.files:
-        raise InputError(f"no images found under {str(listing.root)!r}")
-    return images, names
-
-
-def run_diagnose(cfg: DictConfig) -> int:
-    """Run ``segment-diagnose`` with a composed config (``configs/diagnose.yaml``); returns
-    the exit code: 0 done, 1 no image could be read, 2 unusable input or settings, 130
-    interrupted."""
-    try:
-        with bundled_examples() as examples:
-            root = examples if cfg.get("input") is None else Path(str(cfg.input)).expanduser()
-            try:
-                images, names = _read_all(root)
-            except InputError as e:
-                log.error("%s", e)
-                return EXIT_BAD_INPUT
-        if not images:
-            log.error("no image under %s could be read", root)
-            return EXIT_FAILED
-        device = str(cfg.get("device", "auto"))
-        models = [cfg.model]
-        if cfg.get("compare"):
-            # the compare model sees the images at the same input size
-            same = {"image_size": OmegaConf.to_container(cfg.model, resolve=False)["image_size"]} \
-                if "image_size" in cfg.model else {}
-            try:
-                compare = _model_config(str(cfg.compare), cfg.get("compare_checkpoint"), device,
-                                        same, "compare model")
-            except ValueError as e:
-                log.error("compare=%s: %s", cfg.compare, e)
-                return EXIT_BAD_INPUT
-            models.append(compare)
-        elif cfg.get("compare_checkpoint"):
-            log.error("compare_checkpoint=%s needs compare=MODEL", cfg.compare_checkpoint)
-            return EXIT_BAD_INPUT
-        results = []
-        for mcfg in models:
-            try:
-                backbone = _build(mcfg, device)
-            except Exception as e:  # noqa: BLE001 - one line naming the model
-                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                log.error("cannot build the model %s: %s", mcfg.get("name"), msg)
-                return EXIT_BAD_INPUT
-            try:
-                results.append(measure_model(
-                    backbone, images, names, alpha=float(cfg.alpha),
-                    threshold=float(cfg.threshold), top=float(cfg.top),
-                    progress=bool(cfg.progress), config=OmegaConf.to_container(mcfg, resolve=True),
-                ))
-            except ValueError as e:  # e.g. attention that is not a chain (one line)
-                log.error("cannot measure %s: %s", mcfg.get("name"), e)
-                return EXIT_FAILED
-            del backbone
-        diag = Diagnosis(models=results)
-        paths = write_files(diag, str(cfg.output), per_image=bool(cfg.per_image),
-                            report=bool(cfg.report))
-    except KeyboardInterrupt:
-        log.warning("interrupted")
-        return EXIT_INTERRUPTED
-    m = diag.models[0]
-    log.info("%s: %d layers x %d heads on %d images (forward %.2fs, measures %.2fs)",
-             m.name, m.num_layers, m.num_heads, len(m.images), m.seconds["forward"],
-             m.seconds["measures"])
-    for p in paths.values():
-        print(p, flush=True)
-    return EXIT_OK

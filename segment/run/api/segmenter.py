@@ -1,6 +1,6 @@
 """The Python API: ``segment.load(...)`` gives a :class:`Segmenter`; calling it on images
 gives :class:`Result` objects. The ``segment`` command runs through the same object
-(:class:`segment.run.pipeline.SegmentRun` calls :meth:`Segmenter.preprocess`,
+(:class:`segment.run.job.pipeline.SegmentRun` calls :meth:`Segmenter.preprocess`,
 :meth:`Segmenter.extract`, :meth:`Segmenter.apply` and :meth:`Segmenter.postprocess`, the
 stages of :meth:`Segmenter.forward`), so the masks of the API and of the command cannot
 drift apart.
@@ -38,7 +38,8 @@ from segment.core.masks import MethodOutput, label_upsampling_setting
 from segment.core.record import AttentionRecord, Capture
 from segment.methods.base import Method
 from segment.models.base import Backbone
-from segment.run.front import (
+from segment.run.front.build import build
+from segment.run.front.compose import (
     compose,
     config_names,
     run_value_problem,
@@ -47,9 +48,8 @@ from segment.run.front import (
     value_problem,
 )
 from segment.run.io import ImageReadError, read_image, to_rgb
-from segment.run.outputs import RenderOptions, Segmentation, overlay, postprocess
-from segment.run.registry import method_config
-from segment.utils import unwrap_instantiation
+from segment.run.api.registry import method_config
+from segment.run.api.render import RenderOptions, Segmentation, overlay, postprocess
 
 __all__ = ["Batch", "ImageReadError", "Result", "Segmenter", "compose_config", "config_names", "load", "show",
            "suggest", "to_image"]
@@ -73,15 +73,15 @@ def compose_config(
 ) -> DictConfig:
     """The config the command would compose for ``model=... method=...`` plus overrides.
 
-    The command's config comes from :func:`segment.run.front.compose` (Hydra's compose API,
+    The command's config comes from :func:`segment.run.front.compose.compose` (Hydra's compose API,
     the composition of ``segment`` and ``segment-eval``); the API keeps its model, method,
     ``device`` and the run settings it honours (:data:`API_KEYS`). Overrides are Python
     values routed by name: a key of the model config goes to ``model.KEY``, a key of the
     method config to ``method.KEY``, ``batch_size``/``max_pixels`` to the run; dotted keys
     (``**{"model.image_size": 448}``) are taken as they are. Each is checked as the command
-    checks its arguments (:func:`segment.run.front.value_problem`). A built
+    checks its arguments (:func:`segment.run.front.compose.value_problem`). A built
     :class:`~segment.methods.base.Method` is written as the node that builds it again
-    (:func:`segment.run.registry.method_config`) and takes no overrides.
+    (:func:`segment.run.api.registry.method_config`) and takes no overrides.
 
     Raises:
         ValueError: for an unknown model, method or key (with a suggestion), a key both
@@ -191,7 +191,7 @@ class Result:
         )
 
     def segmentation(self) -> Segmentation:
-        """Back to the command's :class:`~segment.run.outputs.Segmentation` (for the writers)."""
+        """Back to the command's :class:`~segment.run.api.render.Segmentation` (for the writers)."""
         return Segmentation(heatmap=self.heatmap, mask=self.mask,
                             labels=None if self.labels is None else self.labels.astype(np.int32, copy=False),
                             foreground=self.foreground, escape=self.escape)
@@ -388,14 +388,17 @@ class Segmenter:
                     model_overrides: dict[str, Any] | None = None) -> Segmenter:
         """Build from a composed config (``model``, ``method``, ``batch_size``, ``max_pixels``);
         an already built ``backbone`` / ``method`` is used as it is; ``model_overrides`` are
-        passed to the model's constructor (torchrun: each rank's device)."""
-        from hydra.utils import instantiate
+        passed to the model's constructor (torchrun: each rank's device).
 
+        Raises:
+            BuildError: (a ``ValueError``) the method or the model cannot be built, in one
+                line naming it (:func:`segment.run.front.build.build`).
+        """
         if method is None:  # first: a bad method setting is refused before weights load
-            method = instantiate(cfg.method)
+            method = build(cfg.method, Method, "the method")
         labels = _label_upsampling_for(cfg.get("label_upsampling"), method)
         if backbone is None:
-            backbone = instantiate(cfg.model, **(model_overrides or {}))
+            backbone = build(cfg.model, Backbone, "the model", **(model_overrides or {}))
         return cls(backbone, method, batch_size=int(cfg.get("batch_size") or 8),
                    max_pixels=cfg.get("max_pixels"),
                    label_upsampling=labels, config=cfg)
@@ -516,17 +519,13 @@ def load(
             method given built takes none (they are its fields).
 
     Raises:
-        ValueError: unknown model / method / key (with a suggestion) or a bad value.
+        ValueError: unknown model / method / key (with a suggestion) or a bad value; a
+            model or method that cannot be built (:class:`~segment.run.front.build.BuildError`,
+            one line naming it and the constructor's error, which is its ``__cause__``: e.g.
+            pretrained weights neither cached nor downloadable, naming ``checkpoint=PATH``
+            and the cache folder).
         TypeError: ``method`` neither a config name nor a Method.
-        RuntimeError: pretrained weights neither cached nor downloadable (names
-            ``checkpoint=PATH`` and the cache folder).
     """
     cfg = compose_config(model, method, checkpoint=checkpoint, device=device, **overrides)
-    try:
-        return Segmenter.from_config(cfg, method=None if isinstance(method, str) else method)
-    except Exception as e:  # Hydra wraps constructor errors; give the user the real one
-        cause = unwrap_instantiation(e)
-        if cause is not e:
-            raise cause from None
-        raise
+    return Segmenter.from_config(cfg, method=None if isinstance(method, str) else method)
 

@@ -3,8 +3,8 @@
 There is no second registry: a model is a file of ``configs/model/``, a method one of
 ``configs/method/``, a data set one of ``configs/dataset/`` (the names the commands take
 as ``model=``, ``method=``, ``dataset=``), and :func:`create_method` composes the method's
-file with Hydra's compose API (:func:`segment.run.front.compose`, the commands' one way to
-a config) and builds it with Hydra's ``instantiate``, as ``segment method=NAME KEY=VALUE``
+file with Hydra's compose API (:func:`segment.run.front.compose.compose`, the commands'
+one way to a config) and builds it (:func:`segment.run.front.build.build`), as ``segment method=NAME KEY=VALUE``
 does. Listing reads only the folder: it imports neither torch nor the methods.
 
 Example::
@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from segment.run.front import compose, config_names, show_default, suggest, value_problem
+from segment.run.front.build import build
+from segment.run.front.compose import compose, config_names, show_default, suggest, value_problem
 
 if TYPE_CHECKING:
     from segment.methods.base import Method
@@ -76,9 +77,9 @@ def create_method(name: str, **overrides: Any) -> Method:
     """The method ``configs/method/NAME.yaml`` describes, with ``overrides`` of its keys.
 
     The same object ``segment method=NAME method.KEY=VALUE`` runs: the file is composed by
-    Hydra's compose API and built by ``hydra.utils.instantiate``; each override is checked
-    against the key's default as the commands check their arguments
-    (:func:`segment.run.front.value_problem`) and then by the method's own constructor.
+    Hydra's compose API and built by :func:`segment.run.front.build.build`; each override is
+    checked against the key's default as the commands check their arguments
+    (:func:`segment.run.front.compose.value_problem`) and then by the method's own constructor.
     Pass the result to ``segment.load(method=...)``; change a field afterwards with
     ``dataclasses.replace``.
 
@@ -88,12 +89,10 @@ def create_method(name: str, **overrides: Any) -> Method:
 
     Raises:
         ValueError: an unknown name or key (with a suggestion), a value of the wrong type,
-            or a value the method refuses (its own message).
+            or a value the method refuses (``BuildError``: ``cannot build method 'NAME':``
+            and the method's own message).
     """
-    from hydra.utils import instantiate
-
     from segment.methods.base import Method
-    from segment.utils import unwrap_instantiation
 
     names = config_names("method")
     if name not in names:
@@ -112,17 +111,7 @@ def create_method(name: str, **overrides: Any) -> Method:
         if why is not None:
             raise ValueError(f"{name}: {key}={plain!r}: {why} (the default is {show_default(default)})")
         OmegaConf.update(node, key, plain, merge=False)
-    try:
-        method = instantiate(node)
-    except Exception as e:  # Hydra wraps constructor errors; give the user the real one
-        cause = unwrap_instantiation(e)
-        if cause is not e:
-            raise cause from None
-        raise
-    if not isinstance(method, Method):
-        raise TypeError(f"configs/method/{name}.yaml builds a {type(method).__name__}, not a"
-                        " segment.methods.Method")
-    return method
+    return build(node, Method, f"method {name!r}")
 
 
 def method_config(method: Method) -> DictConfig:

@@ -5,7 +5,7 @@ decides per image of this rank's share: resumed (its record is current,
 :func:`current_record`), skipped again (an earlier run refused the file, as unreadable, too
 large or too small, and neither the file nor the refusing settings changed since,
 :func:`known_unreadable`), or to segment (an :class:`Item` for the stage runner,
-:mod:`segment.run.stages`). The decisions go into the run's :class:`~segment.run.state.RunState`.
+:mod:`segment.run.job.stages`). The decisions go into the run's :class:`~segment.run.job.state.RunState`.
 """
 
 from __future__ import annotations
@@ -20,18 +20,19 @@ from torch import Tensor
 
 from segment.run.dist import DistContext
 from segment.run.io import ImageFile, InputError, Listing, LoadedImage, find_images
-from segment.run.lock import OutputLock
-from segment.run.outputs import ImageRecord, ImageStatus, load_record, record_is_current
-from segment.run.state import RunSettings, RunState, refusal_key
+from segment.run.job.lock import OutputLock
+from segment.run.job.manifest import ImageStatus
+from segment.run.job.records import ImageRecord, load_record, record_is_current
+from segment.run.job.state import RunSettings, RunState, refusal_key
 
 __all__ = ["Item", "current_record", "known_unreadable", "list_input", "log_plan", "plan_items"]
 
-log = logging.getLogger("segment.run.pipeline")  # the run's lines keep one logger name
+log = logging.getLogger("segment.run.job.pipeline")  # the run's lines keep one logger name
 
 
 @dataclass
 class Item:
-    """One image on its way through the stages (:mod:`segment.run.stages`)."""
+    """One image on its way through the stages (:mod:`segment.run.job.stages`)."""
 
     file: ImageFile
     source_bytes: int = 0
@@ -103,7 +104,7 @@ def known_unreadable(settings: RunSettings, input_root: Path | None) -> dict[str
     """The files the last run.json of this output lists as refused (``unreadable``: not an
     image, corrupt, too large or too small; source -> status), when it read the same input
     with the same refusing settings (``max_pixels``, ``min_size`` and, without ``min_size``,
-    the model, whose patch is the smallest image: :func:`~segment.run.state.refusal_key`)."""
+    the model, whose patch is the smallest image: :func:`~segment.run.job.state.refusal_key`)."""
     try:
         man = json.loads((settings.out / "run.json").read_text("utf-8"))
         if man.get("input") != str(input_root):

@@ -15,15 +15,12 @@ import html
 import io
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from segment.core.diagnostics import MEASURES
+from segment.run.diagnose.measure import DESCRIPTIONS, Diagnosis, ModelDiagnostics
 from segment.utils import atomic_write_text
-
-if TYPE_CHECKING:
-    from segment.run.diagnose import Diagnosis, ModelDiagnostics
 
 __all__ = ["render_report", "write_report", "metastable_order"]
 
@@ -139,8 +136,6 @@ def _tokenrank_maps(m: ModelDiagnostics) -> str:
 
 
 def _summary_table(diag: Diagnosis) -> str:
-    from segment.run.diagnose import DESCRIPTIONS
-
     names = [m.name for m in diag.models]
     sums = [m.summary() for m in diag.models]
     head = "".join(f"<th>{html.escape(n)}</th>" for n in names)

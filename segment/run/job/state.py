@@ -1,7 +1,7 @@
 """What a ``segment`` run knows: its settings (read once from the config) and its mutable
 state (what it found, decided and did), passed explicitly to the planner
-(:mod:`segment.run.plan`), the stage runner (:mod:`segment.run.stages`), the summary
-writer (:mod:`segment.run.summary`) and the torchrun merge (:mod:`segment.run.shard`).
+(:mod:`segment.run.job.plan`), the stage runner (:mod:`segment.run.job.stages`), the summary
+writer (:mod:`segment.run.job.summary`) and the torchrun merge (:mod:`segment.run.job.shard`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from segment.core.masks import label_upsampling_setting
 from segment.run.io import ImageFile
-from segment.run.outputs import ImageRecord, ImageStatus, RenderOptions
+from segment.run.api.render import RenderOptions
+from segment.run.job.manifest import ImageStatus
+from segment.run.job.records import ImageRecord
 
 __all__ = ["RunSettings", "RunState", "Timings", "config_fingerprint", "refusal_key"]
 
@@ -38,7 +40,7 @@ def refusal_key(cfg: Any) -> str:
     and ``min_size``, and with ``min_size: null`` (one patch of the model) the model config
     (``device`` left out). ``cfg``: a composed ``segment`` config or run.json's ``config``.
     A file an earlier run refused is not read again while its size, its mtime and this key
-    are unchanged (:func:`segment.run.plan.known_unreadable`)."""
+    are unchanged (:func:`segment.run.job.plan.known_unreadable`)."""
     get = cfg.get
     min_size = get("min_size")
     blob = {"max_pixels": get("max_pixels"), "min_size": min_size,
@@ -162,7 +164,7 @@ class RunState:
         statuses: per image name, what became of it (done, resumed, skipped).
         records: per image name, its record (made now or by an earlier run).
         known_bad: refused files skipped again without reading (see
-            :func:`segment.run.plan.plan_items`).
+            :func:`segment.run.job.plan.plan_items`).
         timings: seconds per part of the run.
         device: the device the model runs on, once built.
         started: when the run started (UTC).

@@ -1,0 +1,2 @@
+"""The Python API behind ``segment.load``: the :class:`~segment.run.api.segmenter.Segmenter`
+and its results."""

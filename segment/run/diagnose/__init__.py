@@ -1,0 +1,2 @@
+"""``segment-diagnose`` and ``segment.diagnose``: per-head attention diagnostics and their
+report."""
