@@ -112,27 +112,7 @@ def compose_config(
     known += [f"method.{k}" for k in cfg.method if k != "_target_"]
     known += list(API_KEYS)
     for key, value in overrides.items():
-        if "." in key:
-            path = key
-        else:
-            where = [g for g in ("model", "method") if key in cfg[g] and key != "_target_"]
-            if key in API_KEYS:
-                where = ["run"]
-            if len(where) > 1:
-                raise ValueError(f"{key!r} is a key of both the model and the method config; "
-                                 f"pass it as model.{key} or method.{key} (**{{'model.{key}': ...}})")
-            if not where:
-                names = known + [k.split(".", 1)[1] for k in known if "." in k]
-                raise ValueError(f"unknown setting {key!r}{suggest(key, names)}; the model "
-                                 f"{model!r} and the method {cfg.method.name!r} take: {', '.join(known)}")
-            path = key if where[0] == "run" else f"{where[0]}.{key}"
-        if built is not None and path.startswith("method."):
-            field = path.split(".", 1)[1]
-            name = repr(built.name) if built.name in config_names("method") else "NAME"
-            raise ValueError(
-                f"{key!r} is a setting of the method {built.name!r}, which was passed built: set"
-                f" it on the method (dataclasses.replace(method, {field}=...) or"
-                f" segment.create_method({name}, {field}=...))")
+        path = _override_path(cfg, key, known, model, built)
         if path not in known:
             raise ValueError(f"unknown setting {path!r}{suggest(path, known)}")
         default = OmegaConf.select(cfg, path)
@@ -145,6 +125,35 @@ def compose_config(
             raise ValueError(f"{key}={plain!r}: {why} (the default is {show_default(default)})")
         OmegaConf.update(cfg, path, value, merge=False)
     return cfg
+
+
+def _override_path(cfg: DictConfig, key: str, known: list[str], model: str,
+                   built: Method | None) -> str:
+    """The dotted path of an API override ``key`` (:func:`compose_config`): a dotted key as it
+    is, else ``model.KEY``, ``method.KEY`` or the run's ``KEY``; refused when unknown, in both
+    configs, or a setting of a method given built."""
+    if "." in key:
+        path = key
+    else:
+        where = [g for g in ("model", "method") if key in cfg[g] and key != "_target_"]
+        if key in API_KEYS:
+            where = ["run"]
+        if len(where) > 1:
+            raise ValueError(f"{key!r} is a key of both the model and the method config; "
+                             f"pass it as model.{key} or method.{key} (**{{'model.{key}': ...}})")
+        if not where:
+            names = known + [k.split(".", 1)[1] for k in known if "." in k]
+            raise ValueError(f"unknown setting {key!r}{suggest(key, names)}; the model "
+                             f"{model!r} and the method {cfg.method.name!r} take: {', '.join(known)}")
+        path = key if where[0] == "run" else f"{where[0]}.{key}"
+    if built is not None and path.startswith("method."):
+        field = path.split(".", 1)[1]
+        name = repr(built.name) if built.name in config_names("method") else "NAME"
+        raise ValueError(
+            f"{key!r} is a setting of the method {built.name!r}, which was passed built: set"
+            f" it on the method (dataclasses.replace(method, {field}=...) or"
+            f" segment.create_method({name}, {field}=...))")
+    return path
 
 
 # --------------------------------------------------------------------------- results
