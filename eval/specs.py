@@ -30,6 +30,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from segment.core.record import Capture
+from segment.methods.base import Method
 from segment.utils import unwrap_instantiation
 
 
@@ -43,7 +44,7 @@ class MethodSpec:
 
     label: str
     cfg: DictConfig
-    method: Any = None
+    method: Method | None = None
     key: str = ""
 
     def __post_init__(self) -> None:
@@ -210,7 +211,7 @@ def resolve_methods(cfg: DictConfig) -> list[MethodSpec]:
     return out
 
 
-def instantiate_method(spec: MethodSpec) -> Any:
+def instantiate_method(spec: MethodSpec) -> Method:
     from hydra.utils import instantiate
 
     kwargs = {"name": spec.label} if "name" in spec.cfg else {}
@@ -221,15 +222,15 @@ def instantiate_method(spec: MethodSpec) -> Any:
         if isinstance(cause, (ValueError, TypeError)):
             raise ConfigError(f"cannot build method {spec.label!r}: {cause}") from e
         raise
-    if not callable(getattr(method, "capture", None)) or not callable(method):
+    if not isinstance(method, Method):
         raise ConfigError(
-            f"method {spec.label!r} ({spec.cfg.get('_target_')}) must have capture(num_layers)"
-            " and be callable on an AttentionRecord"
+            f"method {spec.label!r} ({spec.cfg.get('_target_')}) must be a"
+            f" segment.methods.Method, got {type(method).__name__}"
         )
     return method
 
 
-def union_capture(methods: Sequence[Any], num_layers: int) -> Capture:
+def union_capture(methods: Sequence[Method], num_layers: int) -> Capture:
     """The smallest capture serving every method (``Capture.union`` folded)."""
     caps = [m.capture(num_layers) for m in methods]
     out = caps[0]
