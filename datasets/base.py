@@ -64,12 +64,19 @@ class SegmentationDataset(Dataset, abc.ABC):
         task: ``"binary"`` (foreground / background) or ``"multiclass"``.
         num_classes: 2 for binary sets; the number of ground-truth classes otherwise.
         ignore_index: label of unlabelled pixels (multi-class).
+        class_names: the ``num_classes`` ground-truth classes' names for tables and panels;
+            ``None``: none (tables number the classes). A binary set's per-image class (a
+            text backbone's prompt) is :meth:`Sample.class_name`, not this.
+        selection_keys: settings that choose which images are evaluated without changing any
+            image's result (BSDS500's ``split``): left out of the metric cache's fingerprint.
         size: ``(H, W)`` evaluation size of the ground truth; ``None`` keeps its native size.
     """
 
     task: Task = "binary"
     num_classes: int = 2
     ignore_index: int = IGNORE_INDEX
+    class_names: Sequence[str] | None = None
+    selection_keys: tuple[str, ...] = ()
 
     def __init__(self, size: Sequence[int] | int | None = (224, 224)) -> None:
         self.size = parse_size(size)

@@ -69,7 +69,8 @@ class ImageNetSegmentation(SegmentationDataset):
         root: the ``.mat`` file, or a folder containing ``gtsegs_ijcv.mat``.
         size: evaluation size ``(H, W)`` of the masks (protocol: 224 x 224); ``None`` keeps
             the native size.
-        class_names: look the class name up (``False`` skips timm's tables).
+        lookup_class_names: look every image's class name up (``False`` skips timm's
+            tables; :meth:`class_name` is then ``None``).
     """
 
     task = "binary"
@@ -80,14 +81,14 @@ class ImageNetSegmentation(SegmentationDataset):
         self,
         root: str | os.PathLike,
         size: Sequence[int] | int | None = (224, 224),
-        class_names: bool = True,
+        lookup_class_names: bool = True,
     ) -> None:
         super().__init__(size)
         path = Path(root)
         if path.is_dir():
             path = path / self.FILENAME
         self.path = require_file(path, f"ImageNet-segmentation's {self.FILENAME} (MATLAB v7.3)")
-        self.class_names = class_names
+        self.lookup_class_names = bool(lookup_class_names)
         self._file = None
         self._pid: int | None = None
         f = self._h5()
@@ -181,7 +182,7 @@ class ImageNetSegmentation(SegmentationDataset):
         return codes.astype(np.uint16).tobytes().decode("utf-16-le")
 
     def class_name(self, index: int) -> str | None:
-        if not self.class_names:
+        if not self.lookup_class_names:
             return None
         synset = self.synset(index)
         try:

@@ -26,6 +26,7 @@ from segment.eval.metrics import State, state_from_dict
 from segment.eval.specs import config_hash, source_hash
 
 import segment
+from segment.datasets.base import SegmentationDataset
 from segment.utils import atomic_path
 
 log = logging.getLogger(__name__)
@@ -103,10 +104,10 @@ class MetricCache:
             tmp.write_text(json.dumps(data))
 
 
-def cache_dir(out_dir: Path, cfg: DictConfig, dataset: object) -> Path:
+def cache_dir(out_dir: Path, cfg: DictConfig, dataset: SegmentationDataset) -> Path:
     """``out_dir/cache/<fingerprint>``: where a run of ``cfg`` over ``dataset`` keeps its
     per-image states (the data set's ``selection_keys`` left out of the fingerprint)."""
-    return out_dir / "cache" / fingerprint(cfg, getattr(dataset, "selection_keys", ()))
+    return out_dir / "cache" / fingerprint(cfg, dataset.selection_keys)
 
 
 def fingerprint(cfg: DictConfig, selection: Sequence[str] = ()) -> str:

@@ -24,9 +24,9 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 from omegaconf import OmegaConf
+from segment.datasets.base import SegmentationDataset
 from segment.eval.metrics import State
 
 from segment.utils import EXIT_BAD_INPUT
@@ -36,7 +36,8 @@ class PairError(ValueError):
     """A run that cannot be read, or two runs that do not pair."""
 
 
-def run_states(run: Path, method: str | None = None) -> tuple[str, dict[str, State], Any]:
+def run_states(run: Path, method: str | None = None
+               ) -> tuple[str, dict[str, State], SegmentationDataset]:
     """One method's per-image states of a finished `segment-eval` run.
 
     Returns:
@@ -101,7 +102,7 @@ def compare(run_a: Path, run_b: Path, method_a: str | None = None, method_b: str
             (f"B: {label_b} ({run_b.name})", [b[n] for n in names])]
     multiclass = data_a.task == "multiclass"
     return results_table(data_a.task, rows, class_names_of(data_a) if multiclass else (),
-                         getattr(data_a, "num_classes", 0), reps=int(reps), seed=int(seed))
+                         data_a.num_classes, reps=int(reps), seed=int(seed))
 
 
 def main(argv: list[str] | None = None) -> int:

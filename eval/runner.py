@@ -267,7 +267,7 @@ def _table(job: ScoreJob, gathered: Gathered, indices: Sequence[int], scored_now
     dataset, specs, timing = job.dataset, job.specs, job.timing
     names = class_names_of(dataset) if dataset.task == "multiclass" else ()
     rows = [(s.label, [state_from_dict(per_image[i][s.key]) for i in indices]) for s in specs]
-    results = results_table(dataset.task, rows, names, getattr(dataset, "num_classes", 0),
+    results = results_table(dataset.task, rows, names, dataset.num_classes,
                             reps=reps, seed=int(job.cfg.get("seed") or 0))
     for s, row in zip(specs, results.rows):  # the same images for every row: paired deltas
         scored = timing.images.get(s.key, 0)

@@ -44,7 +44,7 @@ class MethodSpec:
 
     label: str
     cfg: DictConfig
-    method: Any = None
+    method: Method | None = None
     key: str = ""
 
     def __post_init__(self) -> None:
@@ -218,7 +218,7 @@ def instantiate_method(spec: MethodSpec) -> Method:
     return build(spec.cfg, Method, f"method {spec.label!r}", **kwargs)
 
 
-def union_capture(methods: Sequence[Any], num_layers: int) -> Capture:
+def union_capture(methods: Sequence[Method], num_layers: int) -> Capture:
     """The smallest capture serving every method (``Capture.union`` folded)."""
     caps = [m.capture(num_layers) for m in methods]
     out = caps[0]

@@ -27,6 +27,7 @@ from segment.eval.metrics import (
     total,
 )
 
+from segment.datasets.base import SegmentationDataset
 from segment.utils import atomic_write_json, atomic_write_text
 
 # protocol columns, then the peer metrics (per-image means at the original resolution)
@@ -196,9 +197,9 @@ def table_row(label: str, state: State, class_names: Sequence[str] = ()) -> dict
     return row
 
 
-def class_names_of(dataset: Any) -> tuple[str, ...]:
+def class_names_of(dataset: SegmentationDataset) -> tuple[str, ...]:
     """The data set's class names for tables and panels (``"0", "1", ...`` when it has none)."""
-    names = getattr(dataset, "class_names", None)
+    names = dataset.class_names
     k = int(dataset.num_classes)
     if names is None or len(names) != k or len(set(names)) != k:
         return tuple(str(i) for i in range(k))

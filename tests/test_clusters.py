@@ -96,10 +96,16 @@ def test_kmeans_keys_method_finds_the_planted_regions():
         KMeansKeys(k=3, layers=[0])(rec)
 
 
-@pytest.mark.parametrize("kw", [dict(k=0), dict(max_iter=0), dict(n_init=0), dict(heads="lambda2"),
-                                dict(average_layers=True)])
+@pytest.mark.parametrize("kw", [dict(k=0), dict(max_iter=0), dict(n_init=0)])
 def test_kmeans_bad_knobs(kw):
     with pytest.raises(ValueError):
+        KMeansKeys(**kw)
+
+
+@pytest.mark.parametrize("kw", [dict(heads="lambda2"), dict(average_layers=True)])
+def test_kmeans_has_no_head_or_layer_averaging_settings(kw):
+    """k-means clusters the keys of every head concatenated: neither is a setting."""
+    with pytest.raises(TypeError, match="unexpected keyword"):
         KMeansKeys(**kw)
 
 

@@ -228,7 +228,7 @@ def test_escape_cuts_refuse_bad_settings():
 
     with pytest.raises(ValueError, match="escape must lie in"):
         EscapeCuts(escape=0)
-    with pytest.raises(ValueError, match="average_layers is not a knob of cuts"):
+    with pytest.raises(TypeError, match="average_layers"):  # the chains are always averaged
         EscapeCuts(layers=[-2, -1], average_layers=True)
     with pytest.raises(ValueError, match="refine_scale"):
         EscapeCuts(refine_scale=0.3)  # the 8-px window would be 2.4 px

@@ -78,7 +78,7 @@ def test_imagenet_seg_reads_the_layout(gtsegs):
 
 def test_imagenet_seg_native_size_and_pickle(gtsegs):
     path, images, masks = gtsegs
-    ds = ImageNetSegmentation(path, size=None, class_names=False)
+    ds = ImageNetSegmentation(path, size=None, lookup_class_names=False)
     np.testing.assert_array_equal(ds[1].target, masks[1])
     assert ds[1].class_name is None
     ds2 = pickle.loads(pickle.dumps(ds))  # DataLoader workers: the h5py handle is reopened

@@ -351,7 +351,7 @@ def test_bad_knobs(kw):
     cls = Bounce if ("fuse" in kw or "steps" in kw) else ClsAttention
     with pytest.raises(ValueError):
         cls(**kw)
-    with pytest.raises(ValueError, match="average_layers"):
+    with pytest.raises(TypeError, match="average_layers"):  # rollout multiplies its layers
         Rollout(average_layers=True)
     with pytest.raises(ValueError, match="alpha"):
         TokenRank(alpha=1.5)

@@ -7,6 +7,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from pycocotools.coco import COCO
 
 from segment.core.masks import MethodOutput
 from segment.core.record import AttentionRecord, Capture
+from segment.methods import Method
 from segment.models.base import Backbone
 from segment.run.job.pipeline import SegmentRun, config_fingerprint, run_segment
 
@@ -292,12 +294,13 @@ def test_batches_hold_one_preprocessed_size(tmp_path, mode):
 # ----------------------------------------------------------------------------- regions, interrupts
 
 
-@dataclass
-class QuadrantRegions:
+@dataclass(frozen=True)
+class QuadrantRegions(Method):
     """A hand-made multi-region method: 4 quadrant regions of the grid, the two on the right
     foreground; heatmap = the CLS row (so AP still has a continuous score)."""
 
     name: str = "quadrants"
+    gives_labels: ClassVar[bool] = True
 
     def capture(self, num_layers: int) -> Capture:
         return Capture(layers=(-1,), heads="mean")
@@ -335,12 +338,13 @@ def test_multi_region_outputs_end_to_end(tmp_path):
     assert "<th>labels</th>" in html and "gallery/labels/x.jpg" in html
 
 
-class InterruptAfter:
+class InterruptAfter(Method):
     """Wraps a method; raises KeyboardInterrupt (Ctrl-C) when asked for any image after the
     first ``n``."""
 
     def __init__(self, inner, n: int) -> None:
-        self.inner, self.n, self.seen, self.name = inner, n, 0, inner.name
+        super().__init__(name=inner.name, layers=inner.layers)
+        self.inner, self.n, self.seen = inner, n, 0
         self.lock = threading.Lock()
 
     def capture(self, num_layers):
@@ -386,8 +390,8 @@ def test_model_failure_on_one_batch_is_isolated(tmp_path):
     cfg = compose_cfg(src, out, "batch_size=4")
     inner = instantiate(cfg.method)
 
-    class FailsOnFirst:
-        name, singles = "fails", 0
+    class FailsOnFirst(Method):
+        singles = 0
 
         def capture(self, n):
             return inner.capture(n)
@@ -400,7 +404,7 @@ def test_model_failure_on_one_batch_is_isolated(tmp_path):
                 raise RuntimeError("CUDA out of memory (simulated)")
             return inner(record)
 
-    assert run_segment(cfg, method=FailsOnFirst()) == 0
+    assert run_segment(cfg, method=FailsOnFirst(name="fails")) == 0
     man = _manifest(out)
     assert man["counts"]["segmented"] == 3 and man["counts"]["skipped"] == 1
     assert "model failed (RuntimeError: CUDA out of memory (simulated))" in man["skipped"][0]["reason"]

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from segment.methods.base import Method
 from segment.models.base import Backbone
 from segment.utils import atomic_write_json, torch_threads
 
@@ -137,7 +138,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _stage_costs(backbone: Backbone, method: Any, files: list, batches: list, n: int, out: Path,
+def _stage_costs(backbone: Backbone, method: Method, files: list, batches: list, n: int, out: Path,
                  cfg: Any) -> dict[str, float]:
     """CPU milliseconds per image of each stage run alone, one after the other (no overlap).
 
@@ -291,7 +292,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "input_sizes": sorted({f"{p.shape[-1]}x{p.shape[-2]}" for p in pix}),
         "model": backbone.name,
         "weights": ckpt or "random (same compute)",
-        "method": getattr(method, "name", args.method),
+        "method": method.name,
         "device": str(device),
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),

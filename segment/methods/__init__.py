@@ -53,8 +53,12 @@ Layers: ``layers`` selects layers (negative indices count from the end, ``null``
 With several layers, ``average_layers: true`` averages the chosen layers' attention first
 (head-fused for ``fuse: attention``, per head otherwise) and runs the method once (the
 backbone can average on the fly); ``false`` runs the method on each layer and averages the
-heatmaps. ``rollout`` instead multiplies the selected layers and ``regions`` always averages
-their chains (``average_layers`` is refused by both).
+heatmaps. ``rollout`` instead multiplies the selected layers and ``regions`` and ``cuts``
+always average their chains: ``average_layers`` is a setting of ``cls_attention``, ``bounce``
+and ``tokenrank`` only (:class:`AveragesLayers`), ``heads`` of the methods that fuse heads
+(:class:`FusesHeads`); ``kmeans`` and ``concept_attention`` have neither. Each setting's help
+text is its dataclass field's (:func:`knob`); docs/methods.md's tables are generated from them
+(:mod:`segment.methods.settings`).
 
 The same record can serve several methods: the evaluator captures
 ``Capture.union`` of their captures once. A method then fuses heads and averages layers
@@ -65,8 +69,11 @@ differently).
 
 from segment.methods.attention import ClsAttention, ClsKeyChain, Rollout, keychain_step
 from segment.methods.base import (
+    AveragesLayers,
+    FusesHeads,
     Method,
     grid_weights,
+    knob,
     patch_chain,
     refuse_inactive,
     start_distribution,
@@ -78,11 +85,13 @@ from segment.methods.kmeans import KMeansKeys
 from segment.methods.regions import RegionGrow
 
 __all__ = [
+    "AveragesLayers",
     "Bounce",
     "ClsAttention",
     "ClsKeyChain",
     "ConceptAttention",
     "EscapeCuts",
+    "FusesHeads",
     "KMeansKeys",
     "Method",
     "RegionGrow",
@@ -90,6 +99,7 @@ __all__ = [
     "TokenRank",
     "grid_weights",
     "keychain_step",
+    "knob",
     "patch_chain",
     "refuse_inactive",
     "start_distribution",

@@ -4,29 +4,42 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from segment.core.masks import MethodOutput
 from segment.core.record import AttentionRecord, Capture, TokenLayout
-from segment.methods.base import Method, as_compute, grid_part, start_distribution
+from segment.methods.base import (
+    AveragesLayers,
+    FusesHeads,
+    Method,
+    as_compute,
+    grid_part,
+    knob,
+    start_distribution,
+)
+
+
+def _rows_fused(method: Method, attn: Tensor, layout: TokenLayout) -> Tensor:
+    """The attention the CLS row is read from: with ``heads: mean`` every head (the mean of
+    the heads' rows, not of their whole chains), else the method's fused chain."""
+    if method.head_fusion == "mean":
+        return as_compute(attn)
+    return Method._fused(method, attn, layout)
 
 
 @dataclass(frozen=True)
-class ClsAttention(Method):
+class ClsAttention(AveragesLayers):
     """CLS attention: the query tokens' attention row over the patches (``[s^T A]_grid``).
 
     Heads are fused by ``heads`` (equal to fusing the rows, selection being linear).
     """
 
-    name: str = "cls_attention"
+    name: str = knob("cls_attention", "the method's name in tables, manifests and file records")
 
     def _fused(self, attn: Tensor, layout: TokenLayout) -> Tensor:
-        if self.heads == "mean":  # the mean of the heads' rows, not of their whole chains
-            return as_compute(attn)
-        return super()._fused(attn, layout)
+        return _rows_fused(self, attn, layout)
 
     def _heat(self, attn: Tensor, record: AttentionRecord) -> Tensor:
         return query_rows(attn, record)
@@ -74,7 +87,7 @@ def keychain_step(record: AttentionRecord, heat: Tensor, layers: Sequence[int], 
 
 
 @dataclass(frozen=True)
-class ClsKeyChain(ClsAttention):
+class ClsKeyChain(FusesHeads):
     """CLS attention smoothed by one step of the key chain (``cls_keychain`` of the dev
     sets' REFERENCE.md, the strongest simple peer there).
 
@@ -82,24 +95,21 @@ class ClsKeyChain(ClsAttention):
     step of each layer's key chain ``softmax_j(cos(k_i, k_j) / key_temperature)`` (heads'
     keys concatenated); the layers' results are averaged (:func:`keychain_step`). It is the
     foreground score of ``regions`` with ``score: keychain``.
-
-    Attributes:
-        key_temperature: the key chain's softmax temperature.
     """
 
-    name: str = "cls_keychain"
-    _averages_layers: ClassVar[bool] = False  # refused below
-    key_temperature: float = 0.05
+    name: str = knob("cls_keychain", "the method's name in tables, manifests and file records")
+    key_temperature: float = knob(0.05, "T of the key chain softmax_j(cos(k_i, k_j) / T)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.average_layers:
-            raise ValueError(
-                f"{self.name}: average_layers is not a knob here: the CLS maps of the layers are"
-                " averaged, then smoothed by each layer's key chain (set layers instead)"
-            )
         if not float(self.key_temperature) > 0:
             raise ValueError(f"{self.name}: key_temperature must be > 0, got {self.key_temperature!r}")
+
+    def _fused(self, attn: Tensor, layout: TokenLayout) -> Tensor:
+        return _rows_fused(self, attn, layout)
+
+    def _heat(self, attn: Tensor, record: AttentionRecord) -> Tensor:
+        return query_rows(attn, record)
 
     def capture(self, num_layers: int) -> Capture:
         c = super().capture(num_layers)
@@ -112,22 +122,17 @@ class ClsKeyChain(ClsAttention):
 
 
 @dataclass(frozen=True)
-class Rollout(Method):
-    """Attention rollout (baseline): ``[s^T Â_{L-1} ... Â_0]_grid``.
+class Rollout(FusesHeads):
+    """Attention rollout (baseline): ``[s^T Â_{L-1} ... Â_0]_grid``."""
 
-    Attributes:
-        residual: weight ``r`` of the identity in ``Â = rownorm((1 - r) A + r I)``.
-    """
-
-    name: str = "rollout"
-    _averages_layers: ClassVar[bool] = False  # refused below
-    layers: Sequence[int] | int | None = None
-    residual: float = 0.5
+    name: str = knob("rollout", "the method's name in tables, manifests and file records")
+    layers: Sequence[int] | int | None = knob(None, "the layers multiplied, ascending; null ="
+                                              " all")
+    residual: float = knob(0.5, "r, the weight of the identity (the skip connection) in"
+                           " rownorm((1 - r) A + r I)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.average_layers:
-            raise ValueError("rollout multiplies its layers; average_layers must be false")
         if not 0.0 <= float(self.residual) < 1.0:
             raise ValueError(f"rollout: residual must lie in [0, 1), got {self.residual}")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -247,29 +247,27 @@ def refuse_inactive(method: Any, rules: Iterable[tuple[str, bool, str]]) -> None
 # --------------------------------------------------------------------------------------
 
 
+def knob(default: Any, help: str) -> Any:
+    """A method setting: its default and its help text, the one description of the setting
+    (docs/methods.md's tables are generated from it: :mod:`segment.methods.settings`)."""
+    return field(default=default, metadata={"help": " ".join(help.split())})
+
+
 @dataclass(frozen=True)
 class Method(abc.ABC):
-    """A heatmap method over attention records.
+    """A heatmap method over attention records: what every method has.
 
-    Attributes:
-        name: name in tables and manifests.
-        layers: layer indices (negative from the end); ``None`` = all layers.
-        heads: head fusion, ``"mean"`` or ``"lambda2"``.
-        average_layers: average the selected layers' chains before the method (``True``) or
-            average the per-layer heatmaps (``False``).
-
-    Methods are frozen dataclasses (a subclass is declared ``@dataclass(frozen=True)``;
-    ``__post_init__`` normalises a field with ``object.__setattr__``):
-    ``dataclasses.replace(method, knob=value)`` gives a changed copy, validated again, so no
-    field set after construction can be ignored.
+    Knobs only some methods have live in them: ``heads`` (:class:`FusesHeads`) and
+    ``average_layers`` (:class:`AveragesLayers`); a method without them reduces heads by
+    their mean and runs on each layer. Methods are frozen dataclasses (a subclass is declared
+    ``@dataclass(frozen=True)``, each field with :func:`knob`; ``__post_init__`` normalises a
+    field with ``object.__setattr__``): ``dataclasses.replace(method, knob=value)`` gives a
+    changed copy, validated again, so no field set after construction can be ignored.
     """
 
-    name: str = "method"
-    layers: Sequence[int] | int | None = (-1,)
-    heads: str = "mean"
-    average_layers: bool = False
-    # False where a subclass refuses ``average_layers`` outright, with its own reason
-    _averages_layers: ClassVar[bool] = True
+    name: str = knob("method", "the method's name in tables, manifests and file records")
+    layers: Sequence[int] | int | None = knob(
+        (-1,), "the layers it reads, negative from the end; null = all layers")
     # whether the output holds region labels (``MethodOutput.labels``), not only a heatmap
     gives_labels: ClassVar[bool] = False
     # the backbone kinds (``Backbone.kind``) this method runs on; the others are refused
@@ -278,16 +276,24 @@ class Method(abc.ABC):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", layer_tuple(self.layers, self.name))
-        if self.heads not in HEADS:
-            raise ValueError(f"{self.name}: heads must be one of {HEADS}, got {self.heads!r}")
-        object.__setattr__(self, "average_layers", bool(self.average_layers))
-        if self.average_layers and self._averages_layers and self.layers is not None \
-                and len(set(self.layers)) == 1:
-            raise ValueError(
-                f"{self.name}: average_layers=true has no effect with one layer (layers="
-                f"{list(self.layers)}): it averages several layers' attention before the"
-                " method; select several layers (e.g. layers=[-2,-1]) or leave it false"
-            )
+
+    # how heads and layers are reduced (the knobs of the methods that have them) -----------
+
+    @property
+    def head_fusion(self) -> str:
+        """How the heads are fused: ``"mean"``, or the ``heads`` knob of :class:`FusesHeads`."""
+        return "mean"
+
+    @property
+    def layer_average(self) -> bool:
+        """Whether the layers are averaged before the method (:class:`AveragesLayers`)."""
+        return False
+
+    @property
+    def fuse_point(self) -> str | None:
+        """Where the heads are combined (the ``fuse`` knob of bounce and tokenrank), for
+        errors; ``None``: before the method."""
+        return None
 
     # what the backbone must capture -----------------------------------------------------
 
@@ -301,8 +307,8 @@ class Method(abc.ABC):
         layers = Capture(layers=self.layers).resolve(num_layers)
         return Capture(
             layers=layers,
-            heads=self.heads if self._fuse_first else "keep",
-            average_layers=self.average_layers and len(layers) > 1,
+            heads=self.head_fusion if self._fuse_first else "keep",
+            average_layers=self.layer_average and len(layers) > 1,
         )
 
     def pixel_knobs(self) -> tuple[str, ...]:
@@ -336,18 +342,18 @@ class Method(abc.ABC):
 
     def _check_heads(self, record: AttentionRecord, layer: int, attn: Tensor) -> None:
         """Refuse heads fused while capturing when this method cannot use them."""
-        check_fused_heads(record, layer, attn, heads=self.heads, fuse_first=self._fuse_first,
-                          name=self.name, fuse=getattr(self, "fuse", None))
+        check_fused_heads(record, layer, attn, heads=self.head_fusion,
+                          fuse_first=self._fuse_first, name=self.name, fuse=self.fuse_point)
 
     def _fused(self, attn: Tensor, layout: TokenLayout) -> Tensor:
         """``(B, H, N, N)`` -> ``(B, 1, N, N)`` when this method fuses the chain first."""
         attn = as_compute(attn)
         if not self._fuse_first or attn.shape[1] == 1:
             return attn
-        if self.heads == "lambda2":  # as fuse_layer, with |lambda_2| shared by the record's methods
+        if self.head_fusion == "lambda2":  # as fuse_layer, |lambda_2| shared by the record's methods
             w = grid_weights(patch_chain(attn, layout), "lambda2")
             return markov.fuse_heads(attn, w).unsqueeze(1)
-        return fuse_layer(attn, self.heads, layout)[0]
+        return fuse_layer(attn, self.head_fusion, layout)[0]
 
     def _inputs(self, record: AttentionRecord) -> list[Tensor]:
         """The chains to run on: one per selected layer, or one averaged."""
@@ -355,10 +361,10 @@ class Method(abc.ABC):
         layout = record.layout
         if record.averaged_layers is not None:
             got = tuple(record.averaged_layers)
-            if got != layers or (len(got) > 1 and not self.average_layers):
+            if got != layers or (len(got) > 1 and not self.layer_average):
                 raise ValueError(
                     f"{self.name}: the record holds layers {got} averaged into one; this method"
-                    f" needs layers {layers} {'averaged' if self.average_layers else 'separately'}"
+                    f" needs layers {layers} {'averaged' if self.layer_average else 'separately'}"
                 )
             a = record.attn[got[0]]
             self._check_heads(record, got[0], a)
@@ -373,9 +379,49 @@ class Method(abc.ABC):
         for i in layers:
             self._check_heads(record, i, record.attn[i])
             mats.append(self._fused(record.attn[i], layout))
-        if self.average_layers and len(mats) > 1:
+        if self.layer_average and len(mats) > 1:
             heads = {m.shape[1] for m in mats}
             if len(heads) > 1:
                 raise ValueError(f"{self.name}: layers {layers} have different head counts {heads}")
             return [torch.stack(mats).mean(0)]
         return mats
+
+
+@dataclass(frozen=True)
+class FusesHeads(Method):
+    """A method with the ``heads`` knob: how the heads of a layer are fused."""
+
+    heads: str = knob("mean", "head fusion: mean (uniform weights) or lambda2 (weights"
+                      " proportional to |lambda_2| of each head's patch chain, protocol §1)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.heads not in HEADS:
+            raise ValueError(f"{self.name}: heads must be one of {HEADS}, got {self.heads!r}")
+
+    @property
+    def head_fusion(self) -> str:
+        return self.heads
+
+
+@dataclass(frozen=True)
+class AveragesLayers(FusesHeads):
+    """A per-layer method with the ``average_layers`` knob."""
+
+    average_layers: bool = knob(False, "with several layers: average their attention (or"
+                                " chains) before the method (true) or the per-layer heatmaps"
+                                " after it (false)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "average_layers", bool(self.average_layers))
+        if self.average_layers and self.layers is not None and len(set(self.layers)) == 1:
+            raise ValueError(
+                f"{self.name}: average_layers=true has no effect with one layer (layers="
+                f"{list(self.layers)}): it averages several layers' attention before the"
+                " method; select several layers (e.g. layers=[-2,-1]) or leave it false"
+            )
+
+    @property
+    def layer_average(self) -> bool:
+        return self.average_layers

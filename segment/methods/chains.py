@@ -15,7 +15,8 @@ from segment.core.masks import MethodOutput
 from segment.core.record import AttentionRecord, TokenLayout
 from segment.methods.base import (
     FUSE,
-    Method,
+    AveragesLayers,
+    knob,
     grid_part,
     grid_weights,
     patch_chain,
@@ -33,7 +34,7 @@ _DIRECTIONS = ("forward", "source")
 
 
 @dataclass(frozen=True)
-class _ChainMethod(Method):
+class _ChainMethod(AveragesLayers):
     """A method run on the grid chain or on the joint chain over every token (module doc).
 
     ``chain: grid`` (the patch chain ``P`` and the first bounce ``v_1``, text / CLS / register
@@ -42,20 +43,18 @@ class _ChainMethod(Method):
     of the result is read at the end, not renormalised). ``direction: source`` walks the
     reverse chain (:func:`segment.core.markov.reverse_chain`: where the attention a token receives
     comes from) instead of the attention itself (``forward``).
-
-    Attributes:
-        fuse: where heads are combined: ``"attention"`` (the raw ``(N, N)`` attention,
-            before ``P`` and ``v_1`` are built; a capture may fuse on the fly),
-            ``"chain"`` (``P = sum_h w_h P_h`` and ``v_1 = sum_h w_h v_1,h`` from each head's
-            own patch chain and renormalised first bounce; grid chain only) or ``"output"``
-            (the method runs on every head and the heads' heatmaps are combined).
-        chain: ``"grid"`` or ``"joint"``.
-        direction: ``"forward"`` or ``"source"``.
     """
 
-    fuse: str = "output"
-    chain: str = "grid"
-    direction: str = "forward"
+    fuse: str = knob("output", "where heads are combined: attention (the raw attention, before"
+                     " the chain is built; the backbone may fuse while it runs), chain (P = sum_h"
+                     " w_h P_h and v_1 = sum_h w_h v_1,h from each head's own patch chain; grid"
+                     " chain only) or output (the method runs on every head, the heatmaps are"
+                     " combined)")
+    chain: str = knob("grid", "grid (the patch chain, prefix dropped after the first step) or"
+                      " joint (the damped chain over every captured token, grid slice read at"
+                      " the end)")
+    direction: str = knob("forward", "forward (follow the attention) or source (walk the"
+                          " reverse chain: where the attention a token receives comes from)")
     _directions: ClassVar[tuple[str, ...]] = _DIRECTIONS
 
     def __post_init__(self) -> None:
@@ -79,6 +78,10 @@ class _ChainMethod(Method):
     @property
     def _fuse_first(self) -> bool:
         return self.fuse == "attention"
+
+    @property
+    def fuse_point(self) -> str | None:
+        return self.fuse
 
     @abc.abstractmethod
     def _run(self, v1: Tensor, chain: Tensor) -> Tensor:
@@ -130,17 +133,18 @@ class Bounce(_ChainMethod):
     heatmap ``[v_steps]_grid``; the paths class word -> text token -> image token count.
     ``direction: source`` uses the reverse chain in both. The default ``fuse: output`` runs
     per head and fuses the heads' ``v_steps`` (``cls_2bounce_*`` of ecssd-dev/REFERENCE.md).
-
-    Attributes:
-        steps: number of bounces ``n >= 1``.
-        alpha: damping of the joint chain in ``(0, 1]`` (reference 0.99; 1 = undamped); the
-            grid chain is undamped, so ``chain: grid`` refuses ``alpha < 1``.
     """
 
-    name: str = "bounce"
-    steps: int = 2
-    fuse: str = "output"
-    alpha: float = 1.0
+    name: str = knob("bounce", "the method's name in tables, manifests and file records")
+    steps: int = knob(2, "n >= 1 bounces (1 = the renormalised query row)")
+    fuse: str = knob("output", "where heads are combined: attention (the raw attention, before"
+                     " the chain is built; the backbone may fuse while it runs), chain (P = sum_h"
+                     " w_h P_h and v_1 = sum_h w_h v_1,h from each head's own patch chain; grid"
+                     " chain only) or output (the method runs on every head, the heatmaps are"
+                     " combined)")
+    alpha: float = knob(1.0, "damping of the joint chain in (0, 1] (the reference code's 0.99;"
+                        " 1 = undamped); the grid chain is undamped, so chain=grid refuses"
+                        " alpha < 1")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -182,18 +186,22 @@ class TokenRank(_ChainMethod):
     of the damped reverse chain, ``alpha S + (1 - alpha) 11^T / n`` with ``S`` the
     column-normalised transpose (protocol §1's outgoing view: the same power iteration on
     the column-normalised transpose); on either chain.
-
-    Attributes:
-        alpha: damping in ``(0, 1]`` (reference 0.99).
-        tol: L1 stopping tolerance of the power iteration.
-        max_iter: power steps at most.
     """
 
-    name: str = "tokenrank"
-    fuse: str = "chain"
-    alpha: float = 0.99
-    tol: float = 1e-6
-    max_iter: int = 200
+    name: str = knob("tokenrank", "the method's name in tables, manifests and file records")
+    fuse: str = knob("chain", "where heads are combined: attention (the raw attention, before"
+                     " the chain is built; the backbone may fuse while it runs), chain (the"
+                     " stationary vector of sum_h w_h P_h; grid chain only) or output (the"
+                     " per-head stationary vectors, combined)")
+    direction: str = knob("forward", "forward (who receives attention), source (the reverse of"
+                          " the damped chain, the reference code's tokenrank_src) or outgoing"
+                          " (the damped reverse chain, protocol §1)")
+    alpha: float = knob(0.99, "damping in (0, 1] (the reference code's 0.99; classic"
+                        " PageRank 0.85)")
+    tol: float = knob(1e-6, "L1 change that stops the power iteration (the reference code's"
+                      " 1e-5; 1e-6 leaves ~3e-6 L1 error on a real last-layer chain instead of"
+                      " ~3e-5, 44 steps instead of 35)")
+    max_iter: int = knob(200, "power-iteration steps at most")
     _directions: ClassVar[tuple[str, ...]] = (*_DIRECTIONS, "outgoing")
 
     def __post_init__(self) -> None:

@@ -11,40 +11,32 @@ import torch
 from segment.core.concept import concept_heatmaps, gaussian_blur
 from segment.core.masks import MethodOutput
 from segment.core.record import AttentionRecord, Capture
-from segment.methods.base import Method
+from segment.methods.base import Method, knob
 
 
 @dataclass(frozen=True)
 class ConceptAttention(Method):
-    """ConceptAttention's heatmap of the class concept (concept 0).
+    """ConceptAttention's heatmap of the class concept (concept 0): the concept scores of
+    ``layers`` (double-stream layers of a DiT, with ``model.concepts``), softmax over
+    concepts, averaged over layers and seeds (heads by their mean)."""
 
-    Attributes:
-        layers: double-stream layers whose scores are averaged (protocol §3: 14-17 of 19).
-        softmax: softmax over concepts per layer and seed before averaging.
-        concept: index of the concept whose map is returned (0 = the class).
-        normalize_concepts: score with the normalised concept vectors (module docstring).
-        blur: ``None`` or ``[kernel, sigma]``: Gaussian blur of the averaged map
-            (``[3, 1.0]`` = the script's ``--apply_blur``).
-    """
-
-    name: str = "concept_attention"
-    layers: Sequence[int] | int | None = (14, 15, 16, 17)
-    heads: str = "mean"
-    average_layers: bool = True
-    _averages_layers: ClassVar[bool] = False  # always true here, checked below
+    name: str = knob("concept_attention", "the method's name in tables, manifests and file"
+                     " records")
+    layers: Sequence[int] | int | None = knob(
+        (14, 15, 16, 17), "double-stream layers whose concept scores are averaged (protocol"
+        " §3: 14-17 of FLUX's 19)")
+    softmax: bool = knob(True, "softmax over the concepts per layer and seed before averaging")
+    concept: int = knob(0, "the concept whose map is returned (0 = the class)")
+    normalize_concepts: bool = knob(False, "score with the normalised concept vectors"
+                                    " (min-shifted, divided by their sum over the concepts, per"
+                                    " dimension)")
+    blur: Sequence[float] | None = knob(None, "null or [kernel, sigma]: a Gaussian blur of the"
+                                        " averaged map ([3, 1.0] = the reference script's"
+                                        " --apply_blur)")
     backbones: ClassVar[frozenset[str]] = frozenset({"dit"})  # concept words: text tokens
-    softmax: bool = True
-    concept: int = 0
-    normalize_concepts: bool = False
-    blur: Sequence[float] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.heads != "mean" or not self.average_layers:
-            raise ValueError(
-                f"{self.name}: heads and average_layers do not apply (the method reads attention"
-                " outputs, averaged over layers and seeds); leave them unset"
-            )
         if int(self.concept) < 0:
             raise ValueError(f"{self.name}: concept must be >= 0, got {self.concept}")
         object.__setattr__(self, "concept", int(self.concept))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -12,7 +13,7 @@ from torch import Tensor
 from segment.core.masks import MethodOutput
 from segment.core.record import AttentionRecord, Capture
 from segment.core.stages import Components, Refinement
-from segment.methods.base import Method, fused_patch_chain, refuse_inactive
+from segment.methods.base import FusesHeads, fused_patch_chain, knob, refuse_inactive
 from segment.methods.stages import ForegroundScore, foreground_score, pixel_regions
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ WINDOW = dict(radius=8, dilation=4, sigma_space=5.0, sigma_color=0.08)
 
 
 @dataclass(frozen=True)
-class EscapeCuts(Method):
+class EscapeCuts(FusesHeads):
     """Regions = metastable sets of the attention chain, found by recursive normalized cuts.
 
     1. the chain: the last layer's attention over the grid tokens, rows renormalised, heads
@@ -53,22 +54,23 @@ class EscapeCuts(Method):
     record and the API's ``Result.escape``.
     """
 
-    name: str = "cuts"
+    name: str = knob("cuts", "the method's name in tables, manifests and file records")
     gives_labels: ClassVar[bool] = True
-    _averages_layers: ClassVar[bool] = False  # refused below
-    escape: float = 0.5
-    key_temperature: float = 0.05
-    refine_steps: int = 3
-    refine_scale: float = 0.5
-    min_area: float = 0.002
+    layers: Sequence[int] | int | None = knob(
+        (-1,), "the layers whose chains are averaged (and whose CLS attention scores); null ="
+        " all")
+    escape: float = knob(0.5, "cut while the stationary walk crosses the best cut with"
+                         " probability (the normalized cut) below escape, in (0, 2]")
+    key_temperature: float = knob(0.05, "T of the foreground score's key chain"
+                                  " softmax_j(cos(k_i, k_j) / T)")
+    refine_steps: int = knob(3, "bounces of the edge-aware pixel chain (0 = off)")
+    refine_scale: float = knob(0.5, "the pixel chain runs at this fraction of the input"
+                               " resolution")
+    min_area: float = knob(0.002, "components smaller than this fraction of the image are"
+                           " absorbed by their neighbours (specks)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.average_layers:
-            raise ValueError(
-                f"{self.name}: average_layers is not a knob of cuts: the chains of the selected"
-                " layers are always averaged (set layers instead)"
-            )
         if isinstance(self.escape, bool) or not 0 < float(self.escape) <= 2:
             raise ValueError(f"{self.name}: escape must lie in (0, 2] (a sum of two escape"
                              f" probabilities), got {self.escape!r}")

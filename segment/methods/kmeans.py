@@ -12,7 +12,7 @@ from torch import Tensor
 
 from segment.core.masks import MethodOutput
 from segment.core.record import AttentionRecord, Capture
-from segment.methods.base import Method, layer_tuple
+from segment.methods.base import Method, knob, layer_tuple
 from segment.methods.stages import ForegroundScore, foreground_score
 
 
@@ -34,22 +34,19 @@ class KMeansKeys(Method):
     Returns ``MethodOutput(heatmap, labels, foreground)`` at the backbone input resolution.
     """
 
-    name: str = "kmeans"
+    name: str = knob("kmeans", "the method's name in tables, manifests and file records")
     gives_labels: ClassVar[bool] = True
-    _averages_layers: ClassVar[bool] = False  # refused below
-    k: int = 8
-    max_iter: int = 20
-    n_init: int = 1
-    seed: int = 0
-    score_layers: Sequence[int] | int | None = (-1,)
+    layers: Sequence[int] | int | None = knob(
+        (-1,), "the layers whose keys are clustered (several: their features concatenated)")
+    k: int = knob(8, "clusters per image")
+    max_iter: int = knob(20, "Lloyd iterations at most")
+    n_init: int = knob(1, "k-means++ restarts (the lowest inertia wins)")
+    seed: int = knob(0, "scikit-learn's random_state (the same for every image: deterministic)")
+    score_layers: Sequence[int] | int | None = knob(
+        (-1,), "the layers whose CLS attention (mean of heads) decides the foreground")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.heads != "mean" or self.average_layers:
-            raise ValueError(
-                f"{self.name}: k-means clusters the keys of every head concatenated; heads"
-                f" ({self.heads!r}) and average_layers ({self.average_layers}) do not apply"
-            )
         if int(self.k) < 1 or int(self.max_iter) < 1 or int(self.n_init) < 1:
             raise ValueError(
                 f"{self.name}: k, max_iter and n_init must be >= 1, got {self.k}, {self.max_iter},"

@@ -16,10 +16,11 @@ from segment.core.masks import MethodOutput
 from segment.core.record import AttentionRecord, Capture, TokenLayout
 from segment.core.stages import HEATS, Components, Refinement
 from segment.methods.base import (
-    Method,
+    FusesHeads,
     as_compute,
     fused_patch_chain,
     grid_weights,
+    knob,
     layer_tuple,
     refuse_inactive,
 )
@@ -32,7 +33,7 @@ _SCORES = ("cls", "keychain")
 
 
 @dataclass(frozen=True)
-class RegionGrow(Method):
+class RegionGrow(FusesHeads):
     """Seed and grow: regions as metastable states of a token chain (:mod:`segment.core.regions`).
 
     1. the chain ``P`` over grid tokens of the selected layer(s): the patch chain of the
@@ -40,7 +41,7 @@ class RegionGrow(Method):
        ``softmax(cos(k_i, k_j) / key_temperature)`` (``keys``), or their mixture
        ``(1 - key_weight) P_attn + key_weight P_keys`` (``mix``); heads fused by ``heads``
        (``mean`` or ``lambda2``: weights from ``|lambda_2|`` of each head's chain); with
-       several ``layers`` their chains are averaged (``average_layers`` is refused);
+       several ``layers`` their chains are averaged;
     2. seeds: every token (``all``), a grid every ``seed_stride`` tokens (``grid``, the
        DiffSeg baseline), the ``num_seeds`` top TokenRank tokens of ``P`` with a
        suppression window of ``seed_radius`` tokens (``tokenrank``), or ``auto``: every
@@ -68,41 +69,54 @@ class RegionGrow(Method):
     Returns ``MethodOutput(heatmap, labels, foreground)`` at the backbone input resolution.
     """
 
-    name: str = "regions"
+    name: str = knob("regions", "the method's name in tables, manifests and file records")
     gives_labels: ClassVar[bool] = True
-    _averages_layers: ClassVar[bool] = False  # refused below
-    chain: str = "mix"
-    key_temperature: float = 0.05
-    key_fuse: str = "similarity"
-    key_weight: float = 0.5
-    seeds: str = "auto"
-    max_seeds: int = 256
-    seed_stride: int = 2
-    num_seeds: int = 64
-    seed_radius: int = 1
-    steps: int = 2
-    tau: float = 0.2
-    iterations: int = 3
-    score_layers: Sequence[int] | int | None = (-1,)
-    refine_steps: int = 3
-    refine_radius: int = 8
-    refine_dilation: int = 4
-    refine_scale: float = 0.5
-    sigma_space: float = 5.0
-    sigma_color: float = 0.08
-    min_area: float = 0.002
-    connectivity: bool = True
-    score: str = "cls"
-    heat: str = "expected"
-    label_tau: float | None = None
+    layers: Sequence[int] | int | None = knob(
+        (-1,), "the layers whose chains are averaged; null = all")
+    chain: str = knob("mix", "the chain the regions grow on: attention (the patch chain),"
+                      " keys (softmax(sim(k_i, k_j) / key_temperature)) or mix ((1 - key_weight)"
+                      " P_attention + key_weight P_keys)")
+    key_temperature: float = knob(0.05, "T of the key chains (the one the regions grow on and"
+                                  " the foreground score's with score=keychain)")
+    key_fuse: str = knob("similarity", "how the heads' keys make one chain: similarity (sim ="
+                         " sum_h w_h cos_h), chain (sum_h w_h softmax(cos_h / T)) or concat"
+                         " (the cosine of the concatenated keys of all heads)")
+    key_weight: float = knob(0.5, "chain=mix: the weight w of the key chain, in [0, 1]")
+    seeds: str = knob("auto", "auto (every token up to max_seeds, else the densest grid with at"
+                      " most that many), all, grid (every seed_stride tokens, the DiffSeg"
+                      " baseline) or tokenrank (the num_seeds top TokenRank tokens)")
+    max_seeds: int = knob(256, "seeds=auto: the seed budget (224 px: all 256 tokens; 448 px:"
+                          " every 2nd)")
+    seed_stride: int = knob(2, "seeds=grid: a seed every seed_stride tokens")
+    num_seeds: int = knob(64, "seeds=tokenrank: the number of top TokenRank tokens")
+    seed_radius: int = knob(1, "seeds=tokenrank: the suppression window's radius (tokens)")
+    steps: int = knob(2, "bounces from every seed (two-bounce propagation)")
+    tau: float = knob(0.2, "proposals closer than this symmetric KL are merged: the foreground"
+                      " decision")
+    iterations: int = knob(3, "merge rounds")
+    score_layers: Sequence[int] | int | None = knob(
+        (-1,), "the layers whose CLS attention (mean of heads) decides the foreground")
+    refine_steps: int = knob(3, "bounces of the edge-aware pixel chain (0 = off)")
+    refine_radius: int = knob(8, "the pixel chain's window half-size (px at the backbone input)")
+    refine_dilation: int = knob(4, "the pixel chain's window is sampled every N px")
+    refine_scale: float = knob(0.5, "the pixel chain runs at this fraction of the input"
+                               " resolution (1: full; 0.5: a quarter of the pixels, the window"
+                               " scaled to cover the same part of the image)")
+    sigma_space: float = knob(5.0, "the pixel chain's spatial bandwidth (px)")
+    sigma_color: float = knob(0.08, "the pixel chain's colour bandwidth (RGB in [0, 1])")
+    min_area: float = knob(0.002, "components smaller than this fraction of the image are"
+                           " absorbed by their neighbours (specks)")
+    connectivity: bool = knob(True, "split the regions into connected components")
+    score: str = knob("keychain", "the foreground score: cls (the CLS attention of"
+                      " score_layers) or keychain (that map after one step of their key chain)")
+    heat: str = knob("blend", "the AP heatmap: blend ((mask + expected region score + score"
+                     " map) / 3) or expected (every pixel's expected region score)")
+    label_tau: float | None = knob(0.03, "the regions (labels, scenes): the seeds merged at"
+                                   " this finer KL, cut along the mask of tau; null = the"
+                                   " regions of tau")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.average_layers:
-            raise ValueError(
-                f"{self.name}: average_layers is not a knob of regions: the chains of the"
-                " selected layers are always averaged (set layers instead)"
-            )
         for knob, allowed in (("chain", _CHAINS), ("key_fuse", _KEY_FUSE), ("seeds", _SEEDS)):
             if getattr(self, knob) not in allowed:
                 raise ValueError(

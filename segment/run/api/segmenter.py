@@ -319,21 +319,21 @@ class Batch:
     record: AttentionRecord
 
 
-def _label_upsampling_for(value: str | None, method: Any) -> str:
+def _label_upsampling_for(value: str | None, method: Method) -> str:
     """The ``label_upsampling`` setting, refused when moved off ``smooth`` for a method that
     gives no region labels (a heatmap method's mask is the thresholded heatmap: the setting
     would change nothing)."""
     setting = label_upsampling_setting(value)
-    if setting != "smooth" and not getattr(method, "gives_labels", True):
+    if setting != "smooth" and not method.gives_labels:
         raise ValueError(
             f"label_upsampling={setting} has no effect with method"
-            f" {getattr(method, 'name', type(method).__name__)}: it gives a heatmap, no region"
+            f" {method.name}: it gives a heatmap, no region"
             " labels (the setting applies to region methods, e.g. regions and kmeans)"
         )
     return setting
 
 
-def check_method(method: Any, backbone: Backbone) -> Capture:
+def check_method(method: Method, backbone: Backbone) -> Capture:
     """The capture ``method`` needs on ``backbone``, with every check of the method against
     the model: the backbone kinds it runs on (:attr:`Method.backbones`), the layers it selects
     (``ValueError`` for a layer the model lacks) and its knobs that read the input image (:meth:`Method.pixel_knobs`) on a backbone whose records
@@ -350,7 +350,7 @@ def check_method(method: Any, backbone: Backbone) -> Capture:
             f" {backbone.kind} (choose another method or model)"
         )
     capture = method.capture(backbone.num_layers)
-    if not backbone.provides_pixels and isinstance(method, Method):
+    if not backbone.provides_pixels:
         knobs = method.pixel_knobs()
         if knobs:
             raise ValueError(
@@ -366,7 +366,7 @@ class Segmenter:
 
     Args:
         backbone: a :class:`segment.models.base.Backbone`.
-        method: a method of :mod:`segment.methods` (anything with ``capture`` and ``__call__``).
+        method: a :class:`segment.methods.Method`.
         batch_size: images per forward pass when called on a list.
         max_pixels: refuse image files with more pixels (``None`` = Pillow's limit).
         label_upsampling: how region labels (and the mask they bound) reach an image's own
@@ -375,7 +375,7 @@ class Segmenter:
         config: the composed config it was built from, when built from one.
     """
 
-    def __init__(self, backbone: Backbone, method: Any, *, batch_size: int = 8,
+    def __init__(self, backbone: Backbone, method: Method, *, batch_size: int = 8,
                  max_pixels: int | None = None, label_upsampling: str = "smooth",
                  config: DictConfig | None = None) -> None:
         if int(batch_size) < 1:
@@ -384,6 +384,8 @@ class Segmenter:
             raise TypeError(
                 f"backbone must be a segment.models.base.Backbone, got {type(backbone).__name__}"
             )
+        if not isinstance(method, Method):
+            raise TypeError(f"method must be a segment.methods.Method, got {type(method).__name__}")
         self.label_upsampling = _label_upsampling_for(label_upsampling, method)
         self.backbone = backbone
         self.method = method
@@ -393,7 +395,8 @@ class Segmenter:
         self.capture = check_method(method, backbone)
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, *, backbone: Backbone | None = None, method: Any = None,
+    def from_config(cls, cfg: DictConfig, *, backbone: Backbone | None = None,
+                    method: Method | None = None,
                     model_overrides: dict[str, Any] | None = None) -> Segmenter:
         """Build from a composed config (``model``, ``method``, ``batch_size``, ``max_pixels``);
         an already built ``backbone`` / ``method`` is used as it is; ``model_overrides`` are
@@ -414,7 +417,7 @@ class Segmenter:
 
     @property
     def name(self) -> str:
-        return f"{self.backbone.name}/{getattr(self.method, 'name', type(self.method).__name__)}"
+        return f"{self.backbone.name}/{self.method.name}"
 
     def __repr__(self) -> str:
         return f"Segmenter({self.name}, device={self.backbone.device})"

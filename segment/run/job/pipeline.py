@@ -62,6 +62,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
+from segment.methods.base import Method
 from segment.models.base import Backbone
 from segment.run.job import plan, shard, summary
 from segment.run.api.segmenter import Segmenter
@@ -105,7 +106,8 @@ class SegmentRun:
         ValueError, TypeError: a bad run setting (:meth:`RunSettings.from_config`).
     """
 
-    def __init__(self, cfg: DictConfig, *, backbone: Backbone | None = None, method: Any = None,
+    def __init__(self, cfg: DictConfig, *, backbone: Backbone | None = None,
+                 method: Method | None = None,
                  ctx: shard.DistContext | None = None) -> None:
         self.cfg = cfg
         self.ctx = ctx or shard.DistContext()
@@ -238,14 +240,15 @@ class SegmentRun:
             pin_memory=dev.type == "cuda", input_device=dev, progress=s.progress,
         ), self.state)
         log.info("model %s on %s, method %s", self.backbone.name, self.backbone.device,
-                 getattr(self.method, "name", type(self.method).__name__))
+                 self.segmenter.method.name)
 
     def _names(self) -> tuple[str, str]:
         """The model's and the method's names for the run files (from the config when the
         model was not built: nothing to do, or it failed)."""
         model_name = (self.backbone.name if self.backbone is not None
                       else OmegaConf.select(self.cfg, "model.name", default="?"))
-        method_name = getattr(self.method, "name", None) or OmegaConf.select(self.cfg, "method.name", default="?")
+        method_name = (self.method.name if self.method is not None
+                       else OmegaConf.select(self.cfg, "method.name", default="?"))
         return model_name, method_name
 
 
