@@ -114,7 +114,7 @@ class Backbone(abc.ABC):
             NotImplementedError: for a backbone whose sequence cannot lose tokens.
         """
         raise NotImplementedError(
-            f"{type(self).__name__} ({getattr(self, 'name', '?')}) cannot drop tokens from its"
+            f"{type(self).__name__} ({self.name}) cannot drop tokens from its"
             " sequence: token masking needs a backbone that runs on any subset of its image"
             " tokens (timm ViTs: segment.models.vit.TimmViT)"
         )
