@@ -17,8 +17,11 @@ equality against the other (``tests/test_regions.py``, ``tests/test_clusters.py`
   that one eigenvector, matrix by matrix, with the BLAS thread pool held to one thread
   during the call: idle OpenBLAS threads otherwise spin and starve torch's kernels after
   it; the CPU default) or ``"torch"`` (one batched ``torch.linalg.eigh`` of the whole
-  spectrum on the device; the default elsewhere). ``python -m segment.eval.bench regions
-  --eigen torch scipy`` measures both in the same run.
+  spectrum on the device; the default elsewhere) or ``"krylov"`` (a batched thick-restarted
+  Lanczos iteration in torch, :func:`segment.core.lanczos.second_eigenvectors`, stopping on
+  a residual tolerance; matrices of at most :data:`KRYLOV_DENSE_UP_TO` tokens go to the
+  device's dense solver). ``python -m segment.eval.bench regions --eigen torch scipy
+  krylov`` measures them in the same run.
 - **k-means** (:func:`kmeans_labels`): scikit-learn's ``KMeans``, on the CPU in float64.
 - **the thread pool** (:func:`map_images`): the images of a batch side by side on torch's
   intra-op thread count (one pool per process and thread count: none crosses a fork).
@@ -37,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from segment.core import cuts
+from segment.core import cuts, lanczos
 from segment.core.regions import absorb_small, number_components, relabel
 
 __all__ = [
@@ -57,8 +60,11 @@ ComponentsBackend = Literal["skimage", "kornia"]
 _BACKENDS = ("skimage", "kornia")
 
 
-EigenBackend = Literal["scipy", "torch"]
-_EIGEN = ("scipy", "torch")
+EigenBackend = Literal["scipy", "torch", "krylov"]
+_EIGEN = ("scipy", "torch", "krylov")
+# "krylov": matrices of at most this many rows go to the device's dense solver, which is
+# faster there (eval/bench/regions.py --eigen scipy krylov; docs/benchmarks.md)
+KRYLOV_DENSE_UP_TO = 128
 
 
 @functools.cache
@@ -82,9 +88,13 @@ def second_eigenvectors(sym: Tensor, backend: EigenBackend | None = None) -> Ten
     Args:
         sym: ``(R, m, m)`` symmetric float32 or float64, ``m >= 2``.
         backend: ``"scipy"`` (only that eigenvector, by LAPACK's MRRR ``syevr``, one matrix
-            after another on one BLAS thread) or ``"torch"`` (the whole spectrum, batched);
-            ``None`` = :func:`eigen_backend` of ``sym.device``. They agree up to the sign
-            and rounding (``tests/test_cuts.py``).
+            after another on one BLAS thread), ``"torch"`` (the whole spectrum, batched) or
+            ``"krylov"`` (batched Lanczos to the residual tolerance
+            :data:`segment.core.lanczos.TOL`, for matrices of more than
+            :data:`KRYLOV_DENSE_UP_TO` rows; smaller ones by the device's dense solver);
+            ``None`` = :func:`eigen_backend` of ``sym.device``. The dense ones agree up to
+            the sign and rounding, the Krylov one up to its tolerance
+            (``tests/test_cuts.py``).
 
     Returns:
         ``(R, m)`` unit vectors (sign arbitrary) on ``sym.device``, ``sym``'s dtype.
@@ -94,6 +104,10 @@ def second_eigenvectors(sym: Tensor, backend: EigenBackend | None = None) -> Ten
         raise ValueError(f"unknown eigensolver backend {backend!r}; one of {_EIGEN}")
     if sym.dim() != 3 or sym.shape[-1] != sym.shape[-2] or sym.shape[-1] < 2:
         raise ValueError(f"sym must be (R, m, m) with m >= 2, got {tuple(sym.shape)}")
+    if backend == "krylov":
+        if sym.shape[-1] > KRYLOV_DENSE_UP_TO:
+            return lanczos.second_eigenvectors(sym)
+        backend = "scipy" if sym.device.type == "cpu" else "torch"
     if backend == "torch":
         return cuts.second_eigenvectors(sym)
     import scipy.linalg

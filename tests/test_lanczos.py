@@ -1,0 +1,142 @@
+"""The cuts' Krylov eigensolver (segment.core.lanczos, backend "krylov"): its vector against
+float64 eigh, and the cuts it gives against the dense solver's on planted block chains."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+from segment import backends
+from segment.core import cuts, lanczos
+from tests.test_cuts import planted_affinity, same_partition
+
+
+def normalized(w: torch.Tensor) -> torch.Tensor:
+    s = w.sum(-1).rsqrt()
+    return s[..., :, None] * w * s[..., None, :]
+
+
+def angle_to(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``(R,)`` sin of the angle between each row of ``got`` and of ``ref`` (float64)."""
+    g, r = got.double(), ref.double()
+    cos = (g * r).sum(-1).abs() / (g.norm(dim=-1) * r.norm(dim=-1))
+    return (1 - cos.clamp(max=1) ** 2).clamp_min(0).sqrt()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_vector_meets_its_residual_and_the_float64_eigenvector(dtype):
+    # a planted chain with a clear gap: the angle to the exact vector is at most
+    # residual / gap (Davis-Kahan), and the residual is the one reported
+    w = torch.cat([planted_affinity(3, 70, 0.05, noise=0.3, seed=s) for s in range(3)])
+    sym = normalized(w)
+    ev, vecs = torch.linalg.eigh(sym)
+    ref = vecs[..., -2]
+    tol = 1e-3 if dtype == torch.float32 else 1e-8
+    got, info = lanczos.second_eigenvectors(sym.to(dtype), tol=tol, return_info=True)
+    assert got.dtype == dtype and got.shape == (3, 210)
+    assert bool(info.converged.all())
+    assert torch.allclose(got.double().norm(dim=-1), torch.ones(3, dtype=torch.float64), atol=1e-5)
+    res = (sym @ got.double()[..., None])[..., 0] - info.value[:, None] * got.double()
+    assert bool((res.norm(dim=-1) <= tol * 1.01 + 1e-5).all())
+    assert torch.allclose(info.value, ev[..., -2], atol=tol)
+    gap = (ev[..., -2] - ev[..., -3]).min()
+    assert bool((angle_to(got, ref) <= tol / gap + 1e-4).all())
+    assert int(info.matvecs.max()) < 210  # fewer products than a dense decomposition's size
+
+
+def test_planted_blocks_krylov_vector_gives_the_dense_cut():
+    # block chains of different sizes, padded together as recursive_ncut batches them
+    ws = [planted_affinity(2, 90, 0.05, noise=0.5, seed=1)[0],
+          planted_affinity(3, 50, 0.1, noise=0.5, seed=2)[0],
+          planted_affinity(4, 40, 0.02, noise=0.5, seed=3)[0]]
+    m = max(w.shape[0] for w in ws)
+    pad = torch.zeros(len(ws), m, m, dtype=torch.float64)
+    for r, w in enumerate(ws):
+        pad[r, : w.shape[0], : w.shape[0]] = w
+    size = torch.tensor([w.shape[0] for w in ws])
+    nd, sd = cuts.best_cuts(pad, size)
+    nk, sk = cuts.best_cuts(pad, size, eigvec=lanczos.second_eigenvectors)
+    for r in range(len(ws)):
+        assert torch.equal(sd[r], sk[r]) or torch.equal(sd[r, : size[r]], ~sk[r, : size[r]])
+    assert torch.allclose(nd, nk, rtol=0, atol=1e-12)  # the same cut: the same exact NCut
+
+
+def test_recursive_ncut_with_the_krylov_backend_finds_the_planted_blocks():
+    w = torch.cat([planted_affinity(4, 60, 0.05, noise=0.3, seed=4),
+                   planted_affinity(3, 80, 0.08, noise=0.3, seed=5)])
+    eig = {b: partial(backends.second_eigenvectors, backend=b) for b in ("scipy", "krylov")}
+    parts = {b: cuts.recursive_ncut(w, 0.3, eigvec=f) for b, f in eig.items()}
+    forced = cuts.recursive_ncut(w, 0.3, eigvec=lanczos.second_eigenvectors)
+    assert parts["krylov"].counts.tolist() == [4, 3]
+    assert same_partition(parts["krylov"].labels[0], torch.arange(240) // 60)
+    assert torch.equal(parts["krylov"].labels, parts["scipy"].labels)
+    assert torch.equal(forced.labels, parts["scipy"].labels)
+
+
+def test_krylov_backend_keeps_the_dense_solver_for_small_matrices():
+    up = backends.KRYLOV_DENSE_UP_TO
+    small = normalized(planted_affinity(2, up // 2, 0.1, noise=0.5, seed=6)).float()
+    assert torch.equal(backends.second_eigenvectors(small, "krylov"),
+                       backends.second_eigenvectors(small, "scipy"))
+    big = normalized(planted_affinity(2, up // 2 + 1, 0.1, noise=0.5, seed=6)).float()
+    assert torch.equal(backends.second_eigenvectors(big, "krylov"),
+                       lanczos.second_eigenvectors(big))
+
+
+def test_warm_start_and_cold_start_give_the_same_cut():
+    # the parent's vector restricted to one half as the start of the half's own solve
+    w = planted_affinity(4, 50, 0.03, noise=0.5, seed=8)[0]
+    n = w.shape[0]
+    sym = normalized(w)[None].float()
+    u = lanczos.second_eigenvectors(sym)
+    _, side = cuts.best_cuts(w[None], torch.tensor([n]), eigvec=lambda s: u)
+    idx = side[0].nonzero()[:, 0]
+    assert len(idx) == 100  # two of the four blocks
+    sub = w[idx][:, idx][None]
+    d = w.sum(-1)
+    start = (u[0].double() / d.sqrt())[idx] * sub[0].sum(-1).sqrt()  # the chain's vector, restricted
+    cold, ic = lanczos.second_eigenvectors(normalized(sub).float(), return_info=True)
+    warm, iw = lanczos.second_eigenvectors(normalized(sub).float(), start=start[None],
+                                           return_info=True)
+    assert bool(ic.converged.all()) and bool(iw.converged.all())
+    a = cuts.best_cuts(sub, torch.tensor([100]), eigvec=lambda s: cold)
+    b = cuts.best_cuts(sub, torch.tensor([100]), eigvec=lambda s: warm)
+    assert float(a[0]) == float(b[0])
+    assert torch.equal(a[1], b[1]) or torch.equal(a[1], ~b[1])
+    assert same_partition(a[1][0].long(), torch.arange(100) // 50)
+
+
+def test_an_invariant_krylov_space_is_extended_and_tiny_matrices_are_exact():
+    # three uniform blocks of equal size, weakly coupled (blocks 0 and 1 more strongly):
+    # the Krylov space of a block-constant start (the block-constant vectors) is invariant
+    # after three steps; the basis must still grow (fresh directions), without NaN
+    n = 150
+    block = torch.arange(n) // 50
+    w = (block[:, None] == block[None, :]).double() + 1e-3
+    w[:100, :100] += 1e-2  # lambda_2 separates block 2, lambda_3 blocks 0 and 1
+    sym = normalized(w)[None]
+    start = torch.ones(1, n, dtype=torch.float64)
+    for st in (None, start):
+        got = lanczos.second_eigenvectors(sym, tol=1e-8, start=st)
+        assert bool(torch.isfinite(got).all())
+        ref = torch.linalg.eigh(sym)[1][..., -2]
+        assert float(angle_to(got, ref)[0]) < 1e-5
+    for m in (2, 3, 5):  # the basis spans the whole space: exact in one cycle
+        a = torch.rand(1, m, m, dtype=torch.float64, generator=torch.Generator().manual_seed(m))
+        s = a + a.transpose(1, 2)
+        got = lanczos.second_eigenvectors(s)
+        assert float(angle_to(got, torch.linalg.eigh(s)[1][..., -2])[0]) < 1e-7
+
+
+def test_bad_arguments_are_refused():
+    sym = torch.eye(4)[None]
+    with pytest.raises(ValueError, match=r"\(R, m, m\)"):
+        lanczos.second_eigenvectors(sym[0])
+    with pytest.raises(ValueError, match="tol must be > 0"):
+        lanczos.second_eigenvectors(sym, tol=0)
+    with pytest.raises(ValueError, match="keep < steps"):
+        lanczos.second_eigenvectors(sym, keep=16, steps=16)
+    with pytest.raises(ValueError, match=r"start must be \(R, m\)"):
+        lanczos.second_eigenvectors(sym, start=torch.ones(4))
