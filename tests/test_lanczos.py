@@ -140,3 +140,82 @@ def test_bad_arguments_are_refused():
         lanczos.second_eigenvectors(sym, keep=16, steps=16)
     with pytest.raises(ValueError, match=r"start must be \(R, m\)"):
         lanczos.second_eigenvectors(sym, start=torch.ones(4))
+
+
+def test_a_near_tie_is_reported_not_hidden():
+    # three blocks left alike: lambda_2 = lambda_3 up to the jitter, so the second and the
+    # third eigenvector isolate different blocks with nearly equal NCuts; the check names it
+    from segment.eval.bench.cutcheck import first_differences
+
+    w = planted_affinity(3, 20, 0.05, noise=1e-3, seed=9)[0]
+    second = partial(backends.second_eigenvectors, backend="torch")
+
+    def third(sym):
+        return torch.linalg.eigh(sym)[1][..., -3]
+
+    assert first_differences(w, 0.3, second, second) == []
+    diffs = first_differences(w, 0.3, second, third, tie=0.01)
+    assert len(diffs) == 1
+    d = diffs[0]
+    assert (d.size, d.kind, d.near_tie) == (60, "cut", True)
+    assert abs(d.ncut_a - d.ncut_b) <= 0.01 and d.ncut_a != d.ncut_b
+    assert first_differences(w, 0.3, second, third, tie=abs(d.ncut_a - d.ncut_b) / 2)[0].near_tie \
+        is False
+
+    def scrambled(sym):  # a vector that orders the tokens at random: a real failure
+        g = torch.Generator().manual_seed(0)
+        return torch.randn(sym.shape[:2], generator=g, dtype=sym.dtype)
+
+    bad = first_differences(w, 0.3, second, scrambled)
+    assert len(bad) == 1 and bad[0].kind == "escape" and not bad[0].near_tie
+    assert bad[0].ncut_a < 0.3 <= bad[0].ncut_b
+
+
+def random_chain(b: int, n: int, seed: int, sharp: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    a = torch.rand(b, n, n, generator=g, dtype=torch.float64) ** sharp
+    return a / a.sum(-1, keepdim=True)
+
+
+def test_stationary_by_power_iteration_meets_the_exact_solve():
+    from segment.core import markov
+
+    p = random_chain(3, 300, 1, sharp=8.0)  # above the dense size: the iteration runs
+    ex = markov.exact_stationary(p)
+    got = markov.stationary(p, tol=1e-12)
+    assert got.shape == (3, 300) and got.dtype == torch.float64
+    assert torch.allclose(got, ex, rtol=1e-9, atol=0)
+    res = (markov.row_times(got, p) - got).abs().sum(-1)
+    assert bool((res <= 1e-12).all())
+    # float32 chains: the iteration to 1e-6, within the rounding of the chain itself
+    got32 = markov.stationary(p.float())
+    assert float(((got32 - ex).abs() / ex).max()) < 1e-4
+    small = random_chain(2, 50, 2)
+    assert torch.equal(markov.stationary(small), markov.exact_stationary(small))
+    # batch dimensions are kept
+    assert markov.stationary(p.reshape(3, 1, 300, 300), tol=1e-12).shape == (3, 1, 300)
+
+
+def test_stationary_falls_back_to_the_dense_solve_when_the_iteration_does_not_converge():
+    from segment.core import markov
+
+    # two blocks joined by rare transitions: |lambda_2| close to 1, slow power iteration
+    n = 300
+    block = torch.arange(n) // 150
+    p = (block[:, None] == block[None, :]).double() + 1e-6
+    p[:150] *= torch.linspace(1, 2, n, dtype=torch.float64)  # not doubly stochastic
+    p = p / p.sum(-1, keepdim=True)
+    ex = markov.exact_stationary(p[None])
+    got = markov.stationary(p[None], tol=1e-12, max_iter=5)
+    assert torch.allclose(got, ex, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="max_iter must be >= 1"):
+        markov.stationary(p[None], max_iter=0)
+
+
+def test_row_times_is_each_row_vector_times_its_matrix():
+    from segment.core import markov
+
+    g = torch.Generator().manual_seed(3)
+    m = torch.rand(3, 5, 7, generator=g, dtype=torch.float64)
+    v = torch.rand(3, 5, generator=g, dtype=torch.float64)
+    assert torch.allclose(markov.row_times(v, m), torch.einsum("bi,bij->bj", v, m))

@@ -38,12 +38,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         from segment.eval.bench.diagnose import main as run
 
         run(rest)
+    elif what == "cutcheck":
+        from segment.eval.bench.cutcheck import main as run
+
+        raise SystemExit(run(rest))  # 1 when a difference is not a near-tie
     elif what == "gpu":
         from segment.eval.bench.gpu import main as run
 
         raise SystemExit(run(rest))  # 1 when a check failed
     else:
-        raise SystemExit(f"unknown benchmark {what!r}: choose markov, regions, pipeline, flux, eval, diagnose or gpu")
+        raise SystemExit(f"unknown benchmark {what!r}: choose markov, regions, cutcheck, pipeline, flux, eval, diagnose or gpu")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ costs one matrix-vector product, ``O(m^2)``, per step and stops once the vector 
 accurate enough.
 
 :func:`second_eigenvectors` runs a thick-restarted Lanczos iteration (Krylov-Schur for
-symmetric matrices) on every matrix of the batch at once: each step is one batched
-``(R, 1, m) @ (R, m, m)`` product plus a full re-orthogonalisation against the basis
+symmetric matrices) on every matrix of the batch at once: each step is one
+matrix-vector product per matrix (:func:`segment.core.markov.row_times`) plus a full re-orthogonalisation against the basis
 (classical Gram-Schmidt, twice); at the end of a cycle the Rayleigh-Ritz matrix of the
 basis is diagonalised in float64, and a matrix is done when the residual of its second
 Ritz pair, ``|S y - theta y|`` (``|y| = 1``), is at most ``tol``. The others restart from
@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from segment.core.markov import row_times
 
 __all__ = ["KrylovInfo", "second_eigenvectors"]
 
@@ -149,10 +151,10 @@ def second_eigenvectors(
     filled = 0  # rows [filled, d) of basis get their images (and their successors) this cycle
     fresh = noise[:, 1:]
     for cycle in range(max_cycles):
-        images[:, filled:filled + 1] = torch.bmm(basis[:, filled:filled + 1], mats)
+        images[:, filled] = row_times(basis[:, filled], mats)
         for j in range(filled + 1, d):
             basis[:, j:j + 1] = _orth(images[:, j - 1:j], basis[:, :j], fresh[:, j:j + 1])
-            images[:, j:j + 1] = torch.bmm(basis[:, j:j + 1], mats)
+            images[:, j] = row_times(basis[:, j], mats)
         matvecs[active] += d - filled
         # Rayleigh-Ritz: H = V (S V^T), symmetric up to rounding; eigenvalues ascending
         h = torch.bmm(basis, images.transpose(1, 2)).double()
