@@ -53,6 +53,7 @@ __all__ = [
     "eigen_backend",
     "kmeans_labels",
     "map_images",
+    "memory_budget",
     "second_eigenvectors",
 ]
 
@@ -118,6 +119,23 @@ def second_eigenvectors(sym: Tensor, backend: EigenBackend | None = None) -> Ten
         vecs = [scipy.linalg.eigh(a, subset_by_index=[m - 2, m - 2], driver="evr",
                                  check_finite=False)[1][:, 0] for a in mats]
     return torch.from_numpy(np.stack(vecs)).to(device=sym.device, dtype=sym.dtype)
+
+
+def memory_budget(device: torch.device | str) -> int:
+    """Bytes a stage may still allocate on ``device``: CUDA's free memory
+    (``torch.cuda.mem_get_info``), or on the CPU the kernel's ``MemAvailable``
+    (``/proc/meminfo``; where there is none, the free physical pages)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
 
 
 def components_backend(device: torch.device | str) -> ComponentsBackend:

@@ -219,3 +219,32 @@ def test_row_times_is_each_row_vector_times_its_matrix():
     m = torch.rand(3, 5, 7, generator=g, dtype=torch.float64)
     v = torch.rand(3, 5, generator=g, dtype=torch.float64)
     assert torch.allclose(markov.row_times(v, m), torch.einsum("bi,bij->bj", v, m))
+
+
+def test_a_level_that_does_not_fit_is_chunked_and_one_image_that_does_not_is_refused():
+    w = torch.cat([planted_affinity(3, 40, 0.05, noise=0.3, seed=s) for s in range(3)])
+    n = w.shape[-1]
+    assert cuts.cut_peak_bytes(n, 3) == 3 * cuts.cut_peak_bytes(n) == 3 * 41 * n * n
+    batches = []
+
+    def eig(sym):
+        batches.append(sym.shape[0])
+        return backends.second_eigenvectors(sym, "scipy")
+
+    whole = cuts.recursive_ncut(w, 0.3, eigvec=eig)
+    assert batches[0] == 3  # the first level: the three images in one batch
+    batches.clear()
+    chunked = cuts.recursive_ncut(w, 0.3, eigvec=eig, memory_limit=cuts.cut_peak_bytes(n) + 1)
+    assert batches[:3] == [1, 1, 1]  # one image at a time
+    assert torch.equal(chunked.labels, whole.labels) and chunked.counts.tolist() == [3, 3, 3]
+    with pytest.raises(MemoryError, match=r"one region of 120 tokens needs .* GiB to cut"
+                       r" .*batch_size=1 does not fit"):
+        cuts.recursive_ncut(w, 0.3, eigvec=eig, memory_limit=cuts.cut_peak_bytes(n) - 1)
+
+
+def test_memory_budget_is_a_positive_byte_count_below_the_machine_total():
+    import os
+
+    got = backends.memory_budget("cpu")
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < got <= total

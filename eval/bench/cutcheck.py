@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for data in args.data:
         root = Path(data) if Path(data).is_dir() else shared / data
         folder = root / "images" if (root / "images").is_dir() else root
-        files = sorted(f for f in folder.iterdir()
+        files = sorted(f for f in folder.rglob("*")
                        if f.suffix.lower() in (".jpg", ".jpeg", ".png", ".bmp"))
         files = files[: args.images] if args.images else files
         count = {"images": 0, "differ": 0, "near_tie": 0, "failure": 0, "unexplained": 0}
@@ -170,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else:
                     count["failure"] += 1
                     bad += 1
-                rows.append({"data": data, "image": f.name, "regions_dense": int(pa.counts[j]),
+                rows.append({"data": data, "image": str(f.relative_to(folder)), "regions_dense": int(pa.counts[j]),
                              "regions_krylov": int(pb.counts[j]),
                              "differences": [asdict(d) for d in diffs]})
                 print(f"  {data} {f.name}: {int(pa.counts[j])} vs {int(pb.counts[j])} regions; "

@@ -38,6 +38,7 @@ __all__ = [
     "Partition",
     "best_cut",
     "best_cuts",
+    "cut_peak_bytes",
     "escape_probabilities",
     "key_affinity",
     "recursive_ncut",
@@ -179,6 +180,37 @@ def best_cuts(affinity: Tensor, size: Tensor,
     return ncut.gather(1, j[:, None])[:, 0], side
 
 
+# bytes per entry of a padded (R, m, m) batch at the peak of best_cuts: the input (4, float32),
+# the padding mask (1), W in float64 (8), the sweep's permuted W and its two running sums (3 x
+# 8), the float32 symmetric matrix (4): 41; the transients of the normalisation (s W s, 2 x 8)
+# come before the sweep's and are freed by then (eval/bench/cutmem.py checks it against the
+# process's peak RSS)
+CUT_BYTES_PER_ENTRY = 41
+
+
+def cut_peak_bytes(m: int, regions: int = 1) -> int:
+    """The predicted peak memory (bytes) of :func:`best_cuts` on ``regions`` chains padded to
+    ``m`` tokens (the dense eigensolvers add their ``(m, m)`` workspace per matrix on top;
+    the Krylov one ``O(m)`` per matrix)."""
+    return CUT_BYTES_PER_ENTRY * int(regions) * int(m) ** 2
+
+
+def _fitting(group: list, memory_limit: int | None) -> list[list]:
+    """``group`` (regions of one padded size) in chunks whose :func:`best_cuts` fits
+    ``memory_limit`` bytes; refuses a region that does not fit alone."""
+    if memory_limit is None:
+        return [group]
+    m = max(len(idx) for _, idx in group)
+    per = cut_peak_bytes(m)
+    if per > memory_limit:
+        raise MemoryError(
+            f"recursive_ncut: one region of {m} tokens needs {per / 2**30:.2f} GiB to cut"
+            f" (cut_peak_bytes), over the memory limit {memory_limit / 2**30:.2f} GiB:"
+            f" batch_size=1 does not fit; use a smaller input or a device with more memory")
+    k = max(1, int(memory_limit // per))
+    return [group[i: i + k] for i in range(0, len(group), k)]
+
+
 def best_cut(affinity: Tensor) -> tuple[float, Tensor]:
     """:func:`best_cuts` of one ``(m, m)`` chain: ``(ncut, (m,) bool side)``."""
     m = affinity.shape[0]
@@ -205,7 +237,8 @@ class Partition:
 
 def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None = None,
                    bucket: int = 64,
-                   eigvec: Callable[[Tensor], Tensor] | None = None) -> Partition:
+                   eigvec: Callable[[Tensor], Tensor] | None = None,
+                   memory_limit: int | None = None) -> Partition:
     """Cut each image's chain in two while the best cut is crossed with probability < ``tau``.
 
     A region ``R`` is split into the two sides of :func:`best_cuts` of its own chain (``W``
@@ -223,6 +256,10 @@ def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None =
             cut first (``None``: no limit).
         bucket: the size granularity of the padded batches (compute, not results).
         eigvec: the eigensolver of :func:`best_cuts` (``None``: batched ``torch.linalg.eigh``).
+        memory_limit: bytes the cuts of a level may use at once (``None``: no limit); a
+            level whose padded batch would need more (:func:`cut_peak_bytes`) is cut in
+            chunks that fit (same partition), and a region that does not fit alone raises
+            :class:`MemoryError` (one image of ``n`` tokens needs ``cut_peak_bytes(n)``).
 
     Returns:
         :class:`Partition` (labels on ``affinity.device``; regions numbered in the reading
@@ -261,7 +298,7 @@ def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None =
         groups: dict[int, list[tuple[int, Tensor]]] = {}
         for c in cand:
             groups.setdefault(-(-len(c[1]) // bucket), []).append(c)
-        for group in groups.values():
+        for group in [c for g in groups.values() for c in _fitting(g, memory_limit)]:
             m = max(len(idx) for _, idx in group)
             pad = torch.zeros(len(group), m, m, dtype=affinity.dtype, device=dev)
             for g, (i, idx) in enumerate(group):

@@ -104,7 +104,11 @@ class EscapeCuts(Method):
         from segment.core import cuts
 
         eigvec = partial(backends.second_eigenvectors, backend=self.eigen_backend)
-        part = cuts.recursive_ncut(self.cut_affinity(record), float(self.escape), eigvec=eigvec)
+        w = self.cut_affinity(record)
+        # a level that would not fit in memory is cut in chunks; one image that does not
+        # fit is refused (MemoryError naming batch_size)
+        part = cuts.recursive_ncut(w, float(self.escape), eigvec=eigvec,
+                                   memory_limit=backends.memory_budget(w.device))
         b = part.labels.shape[0]
         h, w = record.layout.grid
         grid_prob = F.one_hot(part.labels, int(part.counts.max())).to(torch.float32)
