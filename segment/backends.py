@@ -16,12 +16,12 @@ equality against the other (``tests/test_regions.py``, ``tests/test_clusters.py`
   :func:`segment.core.cuts.recursive_ncut`): ``"scipy"`` (LAPACK's ``ssyevr`` asked for
   that one eigenvector, matrix by matrix, with the BLAS thread pool held to one thread
   during the call: idle OpenBLAS threads otherwise spin and starve torch's kernels after
-  it; the CPU default) or ``"torch"`` (one batched ``torch.linalg.eigh`` of the whole
+  it; the CPU's dense solver), ``"torch"`` (one batched ``torch.linalg.eigh`` of the whole
   spectrum on the device; the default elsewhere) or ``"krylov"`` (a batched thick-restarted
   Lanczos iteration in torch, :func:`segment.core.lanczos.second_eigenvectors`, stopping on
   a residual tolerance; matrices of at most :data:`KRYLOV_DENSE_UP_TO` tokens go to the
-  device's dense solver). ``python -m segment.eval.bench regions --eigen torch scipy
-  krylov`` measures them in the same run.
+  device's dense solver; the CPU default). ``python -m segment.eval.bench regions --eigen
+  torch scipy krylov`` measures them in the same run.
 - **k-means** (:func:`kmeans_labels`): scikit-learn's ``KMeans``, on the CPU in float64.
 - **the thread pool** (:func:`map_images`): the images of a batch side by side on torch's
   intra-op thread count (one pool per process and thread count: none crosses a fork).
@@ -79,8 +79,11 @@ def _blas_threads():
 
 
 def eigen_backend(device: torch.device | str) -> EigenBackend:
-    """The eigensolver of a device: SciPy's partial ``syevr`` on the CPU, torch elsewhere."""
-    return "scipy" if torch.device(device).type == "cpu" else "torch"
+    """The eigensolver of a device: ``"krylov"`` on the CPU (the region stage 0.79-0.85 of
+    SciPy's at 224-448 px in the same rounds, and ``O(n^2)`` per cut instead of ``O(n^3)``:
+    ``python -m segment.eval.bench regions``), torch's dense ``eigh`` elsewhere (the Krylov
+    solver on CUDA is checked by ``python -m segment.eval.bench gpu`` but not yet timed)."""
+    return "krylov" if torch.device(device).type == "cpu" else "torch"
 
 
 def second_eigenvectors(sym: Tensor, backend: EigenBackend | None = None) -> Tensor:
