@@ -248,3 +248,11 @@ def test_memory_budget_is_a_positive_byte_count_below_the_machine_total():
     got = backends.memory_budget("cpu")
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert 0 < got <= total
+
+
+def test_bench_growth_exponent_is_the_log_log_slope():
+    from segment.eval.bench.regions import growth
+
+    assert growth([(256, 3 * 256.0 ** 2), (1024, 3 * 1024.0 ** 2), (4096, 3 * 4096.0 ** 2)]) \
+        == pytest.approx(2.0)
+    assert growth([(256, 0.02), (1024, 0.02 * 4 ** 1.5)]) == pytest.approx(1.5)
