@@ -28,7 +28,8 @@ class EscapeCuts(Method):
 
     1. the chain: the last layer's attention over the grid tokens, rows renormalised, heads
        fused by ``heads``, made reversible as ``W = (Pi P + P^T Pi) / 2`` with ``pi`` its
-       exact stationary distribution (TokenRank; several ``layers``: their ``W`` averaged);
+       stationary distribution (TokenRank: exact up to 256 tokens, to the L1 residual 1e-6
+       above, :func:`segment.core.markov.stationary`; several ``layers``: their ``W`` averaged);
     2. cut in two along the chain's second eigenvector while the best cut is crossed by the
        stationary walk with probability (the sum of the two halves' escape probabilities,
        = the normalized cut) below ``escape``, each half in turn
