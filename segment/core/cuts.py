@@ -164,9 +164,14 @@ def best_cuts(affinity: Tensor, size: Tensor,
     u = (second_eigenvectors if eigvec is None else eigvec)(sym)
     v = torch.where(real, u.to(device=dev, dtype=torch.float64) * s, float("inf"))
     order = torch.argsort(v, dim=1)  # padding last
-    rows = torch.arange(r, device=dev)[:, None, None]
-    wp = w[rows, order[:, :, None], order[:, None, :]]
-    inside = wp.cumsum(1).cumsum(2).diagonal(dim1=1, dim2=2)  # W(S_k, S_k) of the prefixes
+    # W(S_k, S_k) of the prefixes S_k (the first k + 1 tokens of the order): with each
+    # token's weight to the tokens before it, b_i = sum_{rank j < rank i} W_ij, and W
+    # symmetric, W(S_k, S_k) = sum over the first k + 1 tokens of 2 b_i + W_ii (one masked
+    # pass over W instead of permuting it and two running sums over it)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(m, device=dev).expand(r, m))
+    earlier = rank[:, None, :] < rank[:, :, None]  # (R, m, m): token j comes before token i
+    b = torch.where(earlier, w, 0.0).sum(-1)
+    inside = (2 * b + w.diagonal(dim1=1, dim2=2)).gather(1, order).cumsum(1)
     vol = d.gather(1, order).cumsum(1)
     total = vol[:, -1:]
     cut = vol - inside
@@ -180,12 +185,12 @@ def best_cuts(affinity: Tensor, size: Tensor,
     return ncut.gather(1, j[:, None])[:, 0], side
 
 
-# bytes per entry of a padded (R, m, m) batch at the peak of best_cuts: the input (4, float32),
-# the padding mask (1), W in float64 (8), the sweep's permuted W and its two running sums (3 x
-# 8), the float32 symmetric matrix (4): 41; the transients of the normalisation (s W s, 2 x 8)
-# come before the sweep's and are freed by then (eval/bench/cutmem.py checks it against the
-# process's peak RSS)
-CUT_BYTES_PER_ENTRY = 41
+# bytes per entry of a padded (R, m, m) batch at the peak of best_cuts, the normalisation
+# s W s: the input (4, float32), the padding mask (1), W in float64 (8) and the two float64
+# products (2 x 8): 29; the sweep after it holds less (W, S in float32, a mask and one
+# float64 pass: 26). eval/bench/cutmem.py: 1.00-1.05 of 29 at 2,304 and 4,096 tokens; 30
+# leaves the rounding of the allocator a margin
+CUT_BYTES_PER_ENTRY = 30
 
 
 def cut_peak_bytes(m: int, regions: int = 1) -> int:
