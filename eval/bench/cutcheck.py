@@ -109,13 +109,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--tie", type=float, default=TIE)
     p.add_argument("--tol", type=float, default=lanczos.TOL, help="the Krylov residual tolerance")
-    p.add_argument("--dense", choices=["scipy", "torch"], default=None)
+    p.add_argument("--dense", choices=["scipy", "torch"], default=None,
+                   help="the dense solver (default: scipy on the CPU, torch elsewhere)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--weights", default=None)
     p.add_argument("--json", default=None, help="write the per-image results here")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     device = torch.device(args.device)
-    dense = args.dense or backends.eigen_backend(device)
+    dense = args.dense or ("scipy" if device.type == "cpu" else "torch")  # the device's dense one
     eig_a = partial(backends.second_eigenvectors, backend=dense)
     eig_b = partial(lanczos.second_eigenvectors, tol=args.tol)
     weights = find_weights(args.weights)
