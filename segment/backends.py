@@ -16,9 +16,12 @@ equality against the other (``tests/test_regions.py``, ``tests/test_clusters.py`
   :func:`segment.core.cuts.recursive_ncut`): ``"scipy"`` (LAPACK's ``ssyevr`` asked for
   that one eigenvector, matrix by matrix, with the BLAS thread pool held to one thread
   during the call: idle OpenBLAS threads otherwise spin and starve torch's kernels after
-  it; the CPU default) or ``"torch"`` (one batched ``torch.linalg.eigh`` of the whole
-  spectrum on the device; the default elsewhere). ``python -m segment.eval.bench regions
-  --eigen torch scipy`` measures both in the same run.
+  it; the CPU's dense solver), ``"torch"`` (one batched ``torch.linalg.eigh`` of the whole
+  spectrum on the device; the default elsewhere) or ``"krylov"`` (a batched thick-restarted
+  Lanczos iteration in torch, :func:`segment.core.lanczos.second_eigenvectors`, stopping on
+  a residual tolerance; matrices of at most :data:`KRYLOV_DENSE_UP_TO` tokens go to the
+  device's dense solver; the CPU default). ``python -m segment.eval.bench regions --eigen
+  torch scipy krylov`` measures them in the same run.
 - **k-means** (:func:`kmeans_labels`): scikit-learn's ``KMeans``, on the CPU in float64.
 - **the thread pool** (:func:`map_images`): the images of a batch side by side on torch's
   intra-op thread count (one pool per process and thread count: none crosses a fork).
@@ -37,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from segment.core import cuts
+from segment.core import cuts, lanczos
 from segment.core.regions import absorb_small, number_components, relabel
 from segment.core.stages import Components
 
@@ -52,6 +55,7 @@ __all__ = [
     "eigen_backend",
     "kmeans_labels",
     "map_images",
+    "memory_budget",
     "second_eigenvectors",
 ]
 
@@ -59,8 +63,11 @@ ComponentsBackend = Literal["skimage", "kornia"]
 _BACKENDS = ("skimage", "kornia")
 
 
-EigenBackend = Literal["scipy", "torch"]
-_EIGEN = ("scipy", "torch")
+EigenBackend = Literal["scipy", "torch", "krylov"]
+_EIGEN = ("scipy", "torch", "krylov")
+# "krylov": matrices of at most this many rows go to the device's dense solver, which is
+# faster there (eval/bench/regions.py --eigen scipy krylov; docs/benchmarks.md)
+KRYLOV_DENSE_UP_TO = 128
 
 
 @functools.cache
@@ -74,8 +81,11 @@ def _blas_threads():
 
 
 def eigen_backend(device: torch.device | str) -> EigenBackend:
-    """The eigensolver of a device: SciPy's partial ``syevr`` on the CPU, torch elsewhere."""
-    return "scipy" if torch.device(device).type == "cpu" else "torch"
+    """The eigensolver of a device: ``"krylov"`` on the CPU (the region stage 0.79-0.85 of
+    SciPy's at 224-448 px in the same rounds, and ``O(n^2)`` per cut instead of ``O(n^3)``:
+    ``python -m segment.eval.bench regions``), torch's dense ``eigh`` elsewhere (the Krylov
+    solver on CUDA is checked by ``python -m segment.eval.bench gpu`` but not yet timed)."""
+    return "krylov" if torch.device(device).type == "cpu" else "torch"
 
 
 def second_eigenvectors(sym: Tensor, backend: EigenBackend | None = None) -> Tensor:
@@ -84,9 +94,13 @@ def second_eigenvectors(sym: Tensor, backend: EigenBackend | None = None) -> Ten
     Args:
         sym: ``(R, m, m)`` symmetric float32 or float64, ``m >= 2``.
         backend: ``"scipy"`` (only that eigenvector, by LAPACK's MRRR ``syevr``, one matrix
-            after another on one BLAS thread) or ``"torch"`` (the whole spectrum, batched);
-            ``None`` = :func:`eigen_backend` of ``sym.device``. They agree up to the sign
-            and rounding (``tests/test_cuts.py``).
+            after another on one BLAS thread), ``"torch"`` (the whole spectrum, batched) or
+            ``"krylov"`` (batched Lanczos to the residual tolerance
+            :data:`segment.core.lanczos.TOL`, for matrices of more than
+            :data:`KRYLOV_DENSE_UP_TO` rows; smaller ones by the device's dense solver);
+            ``None`` = :func:`eigen_backend` of ``sym.device``. The dense ones agree up to
+            the sign and rounding, the Krylov one up to its tolerance
+            (``tests/test_cuts.py``).
 
     Returns:
         ``(R, m)`` unit vectors (sign arbitrary) on ``sym.device``, ``sym``'s dtype.
@@ -96,6 +110,10 @@ def second_eigenvectors(sym: Tensor, backend: EigenBackend | None = None) -> Ten
         raise ValueError(f"unknown eigensolver backend {backend!r}; one of {_EIGEN}")
     if sym.dim() != 3 or sym.shape[-1] != sym.shape[-2] or sym.shape[-1] < 2:
         raise ValueError(f"sym must be (R, m, m) with m >= 2, got {tuple(sym.shape)}")
+    if backend == "krylov":
+        if sym.shape[-1] > KRYLOV_DENSE_UP_TO:
+            return lanczos.second_eigenvectors(sym)
+        backend = "scipy" if sym.device.type == "cpu" else "torch"
     if backend == "torch":
         return cuts.second_eigenvectors(sym)
     import scipy.linalg
@@ -106,6 +124,23 @@ def second_eigenvectors(sym: Tensor, backend: EigenBackend | None = None) -> Ten
         vecs = [scipy.linalg.eigh(a, subset_by_index=[m - 2, m - 2], driver="evr",
                                  check_finite=False)[1][:, 0] for a in mats]
     return torch.from_numpy(np.stack(vecs)).to(device=sym.device, dtype=sym.dtype)
+
+
+def memory_budget(device: torch.device | str) -> int:
+    """Bytes a stage may still allocate on ``device``: CUDA's free memory
+    (``torch.cuda.mem_get_info``), or on the CPU the kernel's ``MemAvailable``
+    (``/proc/meminfo``; where there is none, the free physical pages)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
 
 
 def components_backend(device: torch.device | str) -> ComponentsBackend:

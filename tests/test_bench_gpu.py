@@ -57,12 +57,14 @@ def test_cpu_half_runs_and_writes_its_json(tmp_path, capsys, monkeypatch):
     assert res["cpu_half_only"] is True and res["cuda"] is False and res["device"] == "cpu"
     assert res["passed"] is True and res["failed"] == []
     checks = res["checks"]
-    assert {c["group"] for c in checks} == {"capture", "method", "regions", "markov", "flux", "e2e"}
+    assert {c["group"] for c in checks} == {"capture", "method", "regions", "markov", "cuts", "flux",
+                                               "e2e"}
     for c in checks:
         assert set(c) >= {"group", "name", "metric", "value", "tolerance", "passed"} and c["passed"], c
     names = " | ".join(c["name"] for c in checks)
     for what in ("float32", "bfloat16", "kornia vs scikit-image", "tokenrank", "lambda_2", "offload",
-                 "no offload", "concept_attention", "segment vit_tiny_random", "segment-eval"):
+                 "no offload", "concept_attention", "segment vit_tiny_random", "segment-eval",
+                 "stationary, power iteration vs exact", "cuts, Krylov on cpu vs dense"):
         assert what in names, what
     for m in ("bounce", "cls_attention", "regions", "rollout", "tokenrank"):
         assert f"vit_tiny_random {m} heatmap" in names, m

@@ -42,12 +42,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         from segment.eval.bench.diagnose import main as run
 
         run(rest)
+    elif what == "cutcheck":
+        from segment.eval.bench.cutcheck import main as run
+
+        raise SystemExit(run(rest))  # 1 when a difference is not a near-tie
+    elif what == "cutmem":
+        from segment.eval.bench.cutmem import main as run
+
+        raise SystemExit(run(rest))
     elif what == "gpu":
         from segment.eval.bench.gpu import main as run
 
         raise SystemExit(run(rest))  # 1 when a check failed
     else:
-        raise SystemExit(f"unknown benchmark {what!r}: choose markov, regions, tree, pipeline, flux, eval, diagnose or gpu")
+        raise SystemExit(f"unknown benchmark {what!r}: choose markov, regions, tree, cutcheck, cutmem, pipeline, flux, eval, diagnose or gpu")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,11 @@ device, and compares them within the tolerance printed next to it:
   :func:`segment.core.masks.smooth_labels_at` on the device against the CPU, exactly;
 - **markov**: TokenRank on the device against the CPU, ``|lambda_2|`` (fast path, fp32) on
   the device against dense float64 eigenvalues on the CPU (protocol: 1e-4);
+- **cuts**: the default method's cuts with the Krylov eigensolver forced at every region
+  size on the device against the dense solver on the CPU (differences that are not
+  near-ties, :func:`segment.eval.bench.cutcheck.first_differences`: none), and the
+  iterative stationary distribution (:func:`segment.core.markov.stationary`) on the device
+  against the exact dense solve on the CPU;
 - **flux**: the tiny FLUX (``models/flux_tiny.py``) captured on the device with and without
   offload against the CPU;
 - **e2e**: ``segment`` and ``segment-eval`` on a few images with ``device=cpu`` and with
@@ -70,6 +75,7 @@ MASK_BAND = 2e-3  # ... "at the threshold" = |R - mean R| below this on the CPU
 TOL_LABELS = 0.97  # partition agreement of region labels (min purity both ways), at least
 TOL_TOKENRANK = 1e-5  # max |pi| difference
 TOL_LAMBDA2 = 1e-4  # |lambda_2| against dense float64 (protocol)
+TOL_STATIONARY = 1e-4  # max relative |pi| difference, power iteration (1e-6 residual) vs exact
 TOL_FLUX = 2e-3  # max |attention prob| difference, tiny FLUX fp32
 TOL_OFFLOAD = 1e-6  # offload against no offload on the same device
 TOL_METRIC = 1.0  # segment-eval: metric rows, percentage points
@@ -383,6 +389,42 @@ class SelfCheck:
             "ratio": round((t_l2 / chains.shape[0]) / t_dense, 4),
         })
 
+    def check_cuts(self, model, x) -> None:
+        """The cuts' Krylov eigensolver and iterative stationary distribution on the device
+        against the dense CPU solvers."""
+        from functools import partial
+
+        from hydra.utils import instantiate
+
+        from segment import backends
+        from segment.core import cuts, lanczos, markov
+        from segment.eval.bench.cutcheck import first_differences
+        from segment.methods.base import fused_patch_chain
+
+        method = instantiate(compose("segment", ["method=cuts"]).method)
+        rec = model.extract(x, method.capture(model.num_layers))
+        chain = fused_patch_chain(rec.attn[method._resolve(rec)[-1]], rec.layout, method.heads)
+        ref, t_cpu = _timed(lambda: markov.exact_stationary(chain), self.cpu)
+        got, t_dev = _timed(lambda: markov.stationary(chain.to(self.device), dense_up_to=0),
+                            self.device)
+        self.add("cuts", f"{model.name} stationary, power iteration vs exact (N={chain.shape[-1]})",
+                 "max_rel pi", ((got.cpu() - ref).abs() / ref).max().item(), TOL_STATIONARY,
+                 cpu_ms=t_cpu, device_ms=t_dev)
+        w = method.cut_affinity(rec)
+        tau = float(method.escape)
+        dense = partial(backends.second_eigenvectors, backend="scipy")
+        part_ref, t_cpu = _timed(lambda: cuts.recursive_ncut(w, tau, eigvec=dense), self.cpu)
+        wd = w.to(self.device)
+        part, t_dev = _timed(lambda: cuts.recursive_ncut(wd, tau, eigvec=lanczos.second_eigenvectors),
+                             self.device)
+        differ = [i for i in range(w.shape[0]) if not torch.equal(part.labels[i].cpu(), part_ref.labels[i])]
+        diffs = [d for i in differ for d in first_differences(
+            w[i], tau, dense, lambda s: lanczos.second_eigenvectors(s.to(self.device)).cpu())]
+        self.add("cuts", f"{model.name} cuts, Krylov on {self.device.type} vs dense on the CPU",
+                 "differences not near-ties", sum(not d.near_tie for d in diffs), 0,
+                 cpu_ms=t_cpu, device_ms=t_dev,
+                 note=f"{len(differ)}/{w.shape[0]} partitions differ, {len(diffs)} first differences")
+
     def check_flux(self) -> None:
         """Tiny FLUX: capture, ConceptAttention and a Markov method (bounce from the class
         word) on the device, with and without offload, against the CPU."""
@@ -575,6 +617,7 @@ class SelfCheck:
             model, x = self.check_capture(spec)
             self.check_methods(model, x)
             self.check_markov(model, x)
+            self.check_cuts(model, x)
             out = self.check_segment(spec)
             self.check_eval(spec, out)
             self.measure_ratios(spec)

@@ -1,5 +1,7 @@
 """``python -m segment.eval.bench regions``: the region stage against the forward of the same batch
-(see the package docstring); ``--eigen torch scipy``: the cuts' eigensolvers in the same rounds.
+(see the package docstring); ``--eigen torch scipy krylov``: the cuts' eigensolvers in the same
+rounds (default: the device's dense one and ``krylov``); with several ``--sizes``, the fitted
+growth exponent of each time against the tokens.
 
 The "of which pixel refinement" column is the method's time less that of the same method
 with ``refine_steps=0`` (:func:`without_refinement`, a copy by ``dataclasses.replace``)."""
@@ -7,6 +9,8 @@ with ``refine_steps=0`` (:func:`without_refinement`, a copy by ``dataclasses.rep
 from __future__ import annotations
 
 import argparse
+import math
+import platform
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -51,9 +55,9 @@ def bench_regions(argv: Sequence[str]) -> None:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--weights", default=None)
-    p.add_argument("--eigen", nargs="+", choices=["torch", "scipy"], default=None,
+    p.add_argument("--eigen", nargs="+", choices=["torch", "scipy", "krylov"], default=None,
                    help="the cuts' eigensolvers to time, each in every round (default: the"
-                        " device's, segment.backends.eigen_backend)")
+                        " device's dense one, segment.backends.eigen_backend, and krylov)")
     p.add_argument("overrides", nargs="*", help="method overrides, e.g. method.refine_steps=0"
                    " (anywhere on the line)")
     # KEY=VALUE words are overrides wherever they stand (after --sizes too)
@@ -68,14 +72,18 @@ def bench_regions(argv: Sequence[str]) -> None:
     cuts = isinstance(method, EscapeCuts)
     if args.eigen and not cuts:
         raise SystemExit(f"--eigen: method {type(method).__name__} cuts no chain")
-    eigens = (args.eigen or [eigen_backend(device)]) if cuts else ["-"]
+    dense = "scipy" if device.type == "cpu" else "torch"
+    eigens = (args.eigen or list(dict.fromkeys([dense, eigen_backend(device), "krylov"]))
+              ) if cuts else ["-"]
     print(f"# region growing vs backbone forward: method {type(method).__name__}, device "
-          f"{device}, {torch.get_num_threads()} threads, batch {args.batch}, "
-          f"weights {weights or 'random init'}")
+          f"{device} ({cpu_model() if device.type == 'cpu' else torch.cuda.get_device_name(device)}),"
+          f" {torch.get_num_threads()} threads, batch {args.batch}, repeat {args.repeat},"
+          f" weights {weights or 'random init'}")
     print("| px | tokens | eigensolver | forward ms/img | extract ms/img | regions ms/img |"
           " regions / forward | of which pixel refinement ms/img |")
     print("|---|---|---|---|---|---|---|---|")
     img = example_image()
+    times: dict[str, list[tuple[int, float]]] = {}  # per eigensolver, (tokens, s/img) by size
     for size in args.sizes:
         model = TimmViT(name="dinov2_vits14", arch="vit_small_patch14_dinov2.lvd142m",
                         pretrained=False, checkpoint=str(weights) if weights else None,
@@ -109,11 +117,13 @@ def bench_regions(argv: Sequence[str]) -> None:
                 got = dict((e, timed(eigens[e])) for e in turn)
                 rounds.append((t_f, t_e, [got[e] for e in range(len(eigens))]))
         t_fwd, t_ext = (statistics.median(r[j] for r in rounds) for j in range(2))
+        times.setdefault("forward", []).append((rec.layout.num_tokens, t_fwd / args.batch))
         b = args.batch
         for e, eigen in enumerate(eigens):
             t_reg = statistics.median(r[2][e][0] for r in rounds)
             ratio = statistics.median(r[2][e][0] / r[0] for r in rounds)
             t_noref = statistics.median(r[2][e][1] for r in rounds) if refines else t_reg
+            times.setdefault(eigen, []).append((rec.layout.num_tokens, t_reg / b))
             print(f"| {size} | {rec.layout.num_tokens} | {eigen} | {1e3 * t_fwd / b:.1f} | "
                   f"{1e3 * t_ext / b:.1f} | {1e3 * t_reg / b:.1f} | {ratio:.2f} | "
                   f"{1e3 * (t_reg - t_noref) / b:.1f} |", flush=True)
@@ -122,6 +132,34 @@ def bench_regions(argv: Sequence[str]) -> None:
                 rel = statistics.median(r[2][e][0] / r[2][0][0] for r in rounds)
                 print(f"#   {size} px: region stage with {eigen} / with {eigens[0]}: {rel:.2f}"
                       f" (median of the rounds' ratios)", flush=True)
+
+    if len(args.sizes) > 1:
+        print("# growth exponent of the time per image against the tokens (t ~ tokens^k):"
+              " least-squares fit over all sizes; between each pair of consecutive sizes")
+        for what, pts in times.items():
+            steps = ", ".join(f"{a[0]}->{b[0]}: {growth([a, b]):.2f}" for a, b in zip(pts, pts[1:]))
+            print(f"#   {'region stage, ' + what if what != 'forward' else 'forward'}:"
+                  f" {growth(pts):.2f} ({steps})", flush=True)
+
+
+def growth(points: Sequence[tuple[int, float]]) -> float:
+    """The slope of ``log t`` against ``log tokens`` (least squares) over ``(tokens, t)``."""
+    xs = [math.log(n) for n, _ in points]
+    ys = [math.log(t) for _, t in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return (sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+            / sum((x - mx) ** 2 for x in xs))
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or ``platform.processor()``."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ __all__ = [
     "best_cut",
     "best_cuts",
     "cut_tree",
+    "cut_peak_bytes",
     "escape_probabilities",
     "key_affinity",
     "recursive_ncut",
@@ -82,8 +83,9 @@ def reversibilise(chain: Tensor, pi: Tensor | None = None) -> Tensor:
 
     Args:
         chain: ``(..., n, n)`` row-stochastic.
-        pi: ``(..., n)`` its stationary distribution; ``None``: the exact one
-            (:func:`segment.core.markov.exact_stationary`).
+        pi: ``(..., n)`` its stationary distribution; ``None``: the exact one for chains of
+            at most 256 tokens, the power iteration to the L1 residual ``1e-6`` above
+            (:func:`segment.core.markov.stationary`).
 
     Returns:
         ``(..., n, n)`` symmetric, non-negative, summing to 1 per matrix (chain's dtype,
@@ -91,7 +93,7 @@ def reversibilise(chain: Tensor, pi: Tensor | None = None) -> Tensor:
     """
     dtype = chain.dtype if chain.dtype == torch.float64 else torch.float32
     p = chain.to(dtype)
-    pi = (markov.exact_stationary(p) if pi is None else pi).to(p)
+    pi = (markov.stationary(p) if pi is None else pi).to(p)
     flow = pi.unsqueeze(-1) * p  # (..., n, n) Pi P
     return (flow + flow.transpose(-1, -2)) / 2
 
@@ -165,9 +167,14 @@ def best_cuts(affinity: Tensor, size: Tensor,
     u = (second_eigenvectors if eigvec is None else eigvec)(sym)
     v = torch.where(real, u.to(device=dev, dtype=torch.float64) * s, float("inf"))
     order = torch.argsort(v, dim=1)  # padding last
-    rows = torch.arange(r, device=dev)[:, None, None]
-    wp = w[rows, order[:, :, None], order[:, None, :]]
-    inside = wp.cumsum(1).cumsum(2).diagonal(dim1=1, dim2=2)  # W(S_k, S_k) of the prefixes
+    # W(S_k, S_k) of the prefixes S_k (the first k + 1 tokens of the order): with each
+    # token's weight to the tokens before it, b_i = sum_{rank j < rank i} W_ij, and W
+    # symmetric, W(S_k, S_k) = sum over the first k + 1 tokens of 2 b_i + W_ii (one masked
+    # pass over W instead of permuting it and two running sums over it)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(m, device=dev).expand(r, m))
+    earlier = rank[:, None, :] < rank[:, :, None]  # (R, m, m): token j comes before token i
+    b = torch.where(earlier, w, 0.0).sum(-1)
+    inside = (2 * b + w.diagonal(dim1=1, dim2=2)).gather(1, order).cumsum(1)
     vol = d.gather(1, order).cumsum(1)
     total = vol[:, -1:]
     cut = vol - inside
@@ -179,6 +186,37 @@ def best_cuts(affinity: Tensor, size: Tensor,
     side = torch.zeros(r, m, dtype=torch.bool, device=dev)
     side.scatter_(1, order, torch.arange(m, device=dev)[None, :] <= j[:, None])
     return ncut.gather(1, j[:, None])[:, 0], side
+
+
+# bytes per entry of a padded (R, m, m) batch at the peak of best_cuts, the normalisation
+# s W s: the input (4, float32), the padding mask (1), W in float64 (8) and the two float64
+# products (2 x 8): 29; the sweep after it holds less (W, S in float32, a mask and one
+# float64 pass: 26). eval/bench/cutmem.py: 1.00-1.05 of 29 at 2,304 and 4,096 tokens; 30
+# leaves the rounding of the allocator a margin
+CUT_BYTES_PER_ENTRY = 30
+
+
+def cut_peak_bytes(m: int, regions: int = 1) -> int:
+    """The predicted peak memory (bytes) of :func:`best_cuts` on ``regions`` chains padded to
+    ``m`` tokens (the dense eigensolvers add their ``(m, m)`` workspace per matrix on top;
+    the Krylov one ``O(m)`` per matrix)."""
+    return CUT_BYTES_PER_ENTRY * int(regions) * int(m) ** 2
+
+
+def _fitting(group: list[_Open], memory_limit: int | None) -> list[list[_Open]]:
+    """``group`` (regions of one padded size) in chunks whose :func:`best_cuts` fits
+    ``memory_limit`` bytes; refuses a region that does not fit alone."""
+    if memory_limit is None:
+        return [group]
+    m = max(len(c.tokens) for c in group)
+    per = cut_peak_bytes(m)
+    if per > memory_limit:
+        raise MemoryError(
+            f"recursive_ncut: one region of {m} tokens needs {per / 2**30:.2f} GiB to cut"
+            f" (cut_peak_bytes), over the memory limit {memory_limit / 2**30:.2f} GiB:"
+            f" batch_size=1 does not fit; use a smaller input or a device with more memory")
+    k = max(1, int(memory_limit // per))
+    return [group[i: i + k] for i in range(0, len(group), k)]
 
 
 def best_cut(affinity: Tensor) -> tuple[float, Tensor]:
@@ -224,7 +262,8 @@ def _isolated(affinity: Tensor, image: int, tokens: Tensor) -> bool:
 def _cut_levels(affinity: Tensor, todo: list[_Open], bucket: int,
                 eigvec: Callable[[Tensor], Tensor] | None,
                 select: Callable[[list[_Open]], list[_Open]],
-                settle: Callable[[_Open, float, Tensor], list[_Open]]) -> None:
+                settle: Callable[[_Open, float, Tensor], list[_Open]],
+                memory_limit: int | None = None) -> None:
     """The level loop of the recursive cuts (:func:`recursive_ncut`, :func:`cut_tree`).
 
     ``todo`` holds the open regions of the first level. Per level, ``select`` is given the
@@ -232,7 +271,8 @@ def _cut_levels(affinity: Tensor, todo: list[_Open], bucket: int,
     cut in batched
     :func:`best_cuts`, one padded batch per (``_Open.batch``, size bucket), and
     ``settle(region, ncut, side)`` is given each region's best split (float64 NCut, ``(m,)``
-    bool side over ``region.tokens``) and returns the regions open at the next level.
+    bool side over ``region.tokens``) and returns the regions open at the next level. A
+    batch that would need more than ``memory_limit`` bytes is cut in chunks (:func:`_fitting`).
     """
     dev = affinity.device
     while todo:
@@ -242,7 +282,7 @@ def _cut_levels(affinity: Tensor, todo: list[_Open], bucket: int,
         groups: dict[tuple[bool, int], list[_Open]] = {}
         for c in cand:
             groups.setdefault((c.batch, -(-len(c.tokens) // bucket)), []).append(c)
-        for group in groups.values():
+        for group in [part for g in groups.values() for part in _fitting(g, memory_limit)]:
             m = max(len(c.tokens) for c in group)
             pad = torch.zeros(len(group), m, m, dtype=affinity.dtype, device=dev)
             for g, c in enumerate(group):
@@ -264,7 +304,8 @@ def _check_affinity(affinity: Tensor) -> None:
 
 def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None = None,
                    bucket: int = 64,
-                   eigvec: Callable[[Tensor], Tensor] | None = None) -> Partition:
+                   eigvec: Callable[[Tensor], Tensor] | None = None,
+                   memory_limit: int | None = None) -> Partition:
     """Cut each image's chain in two while the best cut is crossed with probability < ``tau``.
 
     A region ``R`` is split into the two sides of :func:`best_cuts` of its own chain (``W``
@@ -283,6 +324,10 @@ def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None =
             cut first (``None``: no limit).
         bucket: the size granularity of the padded batches (compute, not results).
         eigvec: the eigensolver of :func:`best_cuts` (``None``: batched ``torch.linalg.eigh``).
+        memory_limit: bytes the cuts of a level may use at once (``None``: no limit); a
+            level whose padded batch would need more (:func:`cut_peak_bytes`) is cut in
+            chunks that fit (same partition), and a region that does not fit alone raises
+            :class:`MemoryError` (one image of ``n`` tokens needs ``cut_peak_bytes(n)``).
 
     Returns:
         :class:`Partition` (labels on ``affinity.device``; regions numbered in the reading
@@ -323,7 +368,7 @@ def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None =
         return []
 
     roots = [_Open(i, torch.arange(n, device=dev)) for i in range(b)]
-    _cut_levels(affinity, roots, bucket, eigvec, select, settle)
+    _cut_levels(affinity, roots, bucket, eigvec, select, settle, memory_limit)
     labels = torch.zeros(b, n, dtype=torch.long, device=dev)
     counts = []
     for i in range(b):
@@ -339,7 +384,8 @@ def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None =
 
 def cut_tree(affinity: Tensor, min_tokens: int = 24, tau: float | None = None,
              bucket: int = 64,
-             eigvec: Callable[[Tensor], Tensor] | None = None) -> list[Hierarchy]:
+             eigvec: Callable[[Tensor], Tensor] | None = None,
+             memory_limit: int | None = None) -> list[Hierarchy]:
     """The tree of the recursive cuts: every region cut along its best split, down to a floor.
 
     The cuts of :func:`recursive_ncut` with no threshold: every region of at least
@@ -366,6 +412,7 @@ def cut_tree(affinity: Tensor, min_tokens: int = 24, tau: float | None = None,
         tau: ``None``, or in ``(0, 2]``: the level kept exact (the method's ``escape``).
         bucket: the size granularity of the padded batches (compute, not results).
         eigvec: the eigensolver of :func:`best_cuts` (``None``: batched ``torch.linalg.eigh``).
+        memory_limit: bytes the cuts of a level may use at once, as in :func:`recursive_ncut`.
 
     Returns:
         per image, its :class:`segment.core.hierarchy.Hierarchy` (leaves on
@@ -405,6 +452,6 @@ def cut_tree(affinity: Tensor, min_tokens: int = 24, tau: float | None = None,
         return out
 
     roots = [_Open(i, tokens[i][0], tau is not None, 0) for i in range(b)]
-    _cut_levels(affinity, roots, bucket, eigvec, select, settle)
+    _cut_levels(affinity, roots, bucket, eigvec, select, settle, memory_limit)
     return [Hierarchy.from_splits(tokens[i], parent[i], ncuts[i], affinity[i])
             for i in range(b)]

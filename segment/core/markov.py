@@ -32,12 +32,14 @@ __all__ = [
     "compute_dtype",
     "damp",
     "exact_stationary",
+    "stationary",
     "fuse_heads",
     "head_weights",
     "inverse_column_sums",
     "lambda2",
     "lambda2_dense",
     "reverse_chain",
+    "row_times",
     "strip_prefix",
     "tokenrank",
     "validate_alpha",
@@ -127,6 +129,75 @@ def exact_stationary(chain: Tensor, alpha: float = 1.0) -> Tensor:
             " (alpha < 1)"
         )
     pi = pi[..., 0].clamp_min(0.0)
+    return (pi / pi.sum(-1, keepdim=True)).reshape(*batch, n)
+
+
+STATIONARY_DENSE_UP_TO = 256  # :func:`stationary`: chains this small are solved densely
+STATIONARY_TOL = 1e-6  # :func:`stationary`: the L1 residual |pi P - pi|_1 of the iteration
+
+
+def row_times(v: Tensor, mats: Tensor) -> Tensor:
+    """``(M, n)`` each row vector times its matrix, ``v[i] @ mats[i]`` (``mats`` (M, n, m)).
+
+    On the CPU one ``torch.mv`` per matrix: torch's batched ``bmm`` of ``(M, 1, n)`` by
+    ``(M, n, n)`` runs there about 10x slower than the matrix-vector products it batches
+    (measured with torch 2.x on this project's CPU, n = 1024); elsewhere one ``bmm``.
+    """
+    if v.device.type == "cpu":
+        return torch.stack([torch.mv(a.T, x) for a, x in zip(mats, v)])
+    return torch.bmm(v.unsqueeze(1), mats).squeeze(1)
+
+
+def stationary(chain: Tensor, tol: float = STATIONARY_TOL, max_iter: int = 1000,
+               dense_up_to: int = STATIONARY_DENSE_UP_TO) -> Tensor:
+    """The stationary distribution of each chain, by power iteration to a stated residual.
+
+    ``O(n^2)`` per step instead of the ``O(n^3)`` dense solve of :func:`exact_stationary`
+    (at 4,096 tokens a 4.6e10-flop LU per chain): the undamped power iteration
+    ``pi <- pi P`` from the uniform vector, in float64 (the chain's products in its own
+    dtype), each chain stopping when its residual ``|pi P - pi|_1`` is at most ``tol``; the
+    distance to the exact distribution is then at most about ``tol / (1 - |lambda_2|)``
+    (the attention chains of the cuts mix in tens of steps: ``|lambda_2|`` 0.7-0.85 at
+    448 px). Chains of at most ``dense_up_to`` tokens, and any chain that has not converged
+    after ``max_iter`` steps (slow-mixing or periodic), get the exact dense solve.
+
+    Args:
+        chain: ``(..., n, n)`` row-stochastic, irreducible.
+        tol: the L1 residual at which a chain's iteration stops (at least a few float32
+            roundings of a distribution, ``1e-6``, for float32 chains).
+        max_iter: power steps before the dense fallback.
+        dense_up_to: the largest ``n`` solved densely.
+
+    Returns:
+        ``(..., n)`` float64 stationary distributions (non-negative, sum 1).
+    """
+    n = chain.shape[-1]
+    if n <= int(dense_up_to):
+        return exact_stationary(chain)
+    if max_iter < 1:
+        raise ValueError(f"max_iter must be >= 1, got {max_iter}")
+    x = _chain(chain)
+    batch = x.shape[:-2]
+    flat = x.reshape(-1, n, n)
+    pi = torch.full(flat.shape[:1] + (n,), 1.0 / n, dtype=torch.float64, device=x.device)
+    done = torch.zeros(flat.shape[0], dtype=torch.bool, device=x.device)
+    active = torch.arange(flat.shape[0], device=x.device)
+    mats = flat
+    for _ in range(int(max_iter)):
+        cur = pi[active]
+        new = row_times(cur.to(x.dtype), mats).to(torch.float64)
+        new = new / new.sum(-1, keepdim=True)
+        ok = (new - cur).abs().sum(-1) <= float(tol)
+        pi[active] = new
+        done[active] = ok
+        if bool(ok.all()):
+            break
+        if bool(ok.any()):
+            left = (~ok).nonzero().squeeze(-1)
+            active, mats = active[left], mats.index_select(0, left)
+    if not bool(done.all()):
+        pi[~done] = exact_stationary(flat[~done])
+    pi = pi.clamp_min(0.0)
     return (pi / pi.sum(-1, keepdim=True)).reshape(*batch, n)
 
 
