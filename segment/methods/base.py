@@ -272,6 +272,7 @@ class Method(abc.ABC):
     _averages_layers: ClassVar[bool] = True
     # whether the output holds region labels (``MethodOutput.labels``), not only a heatmap
     gives_labels: ClassVar[bool] = False
+    gives_hierarchy: ClassVar[bool] = False  # MethodOutput.hierarchy and .leaves (cuts)
     # the backbone kinds (``Backbone.kind``) this method runs on; the others are refused
     # before the first batch (``segment.run.api.check_method``)
     backbones: ClassVar[frozenset[str]] = frozenset({"vit", "dit"})

@@ -76,6 +76,7 @@ class EscapeCuts(Method):
 
     name: str = "cuts"
     gives_labels: ClassVar[bool] = True
+    gives_hierarchy: ClassVar[bool] = True
     _averages_layers: ClassVar[bool] = False  # refused below
     escape: float = 0.5
     key_temperature: float = 0.05
