@@ -392,18 +392,38 @@ def test_recursive_ncut_same_partition_with_either_eigensolver():
 
 
 def _without_tree(method, rec):
-    """``cuts`` as it was before it gave the tree: recursive_ncut at ``escape``, the one-hot
-    regions through pixel_regions (the default level's reference)."""
+    """``cuts`` as it was before it gave the tree (commit b70464e's code, inline):
+    recursive_ncut at ``escape``, the one-hot regions upsampled, refined by the pixel chain
+    and upsampled again, then the components and the decision: the default level's
+    reference."""
+    from segment import backends
+    from segment.core.regions import pixel_chain_refine
+    from segment.core.stages import decide_regions
     from segment.methods.cuts import HEAT
-    from segment.methods.stages import pixel_regions
+    from segment.methods.stages import foreground_score
 
     part = cuts.recursive_ncut(method.cut_affinity(rec), float(method.escape))
     b = part.labels.shape[0]
     h, w = rec.layout.grid
     grid_prob = F.one_hot(part.labels, int(part.counts.max())).to(torch.float32)
     grid_prob = grid_prob.transpose(1, 2).reshape(b, -1, h, w)
-    return part, pixel_regions(rec, grid_prob, score=method.scoring, refine=method.refinement,
-                               components=method.components, heat=HEAT, name=method.name)
+    size, ref = tuple(rec.image_size), method.refinement
+    if ref.steps == 0 or rec.pixels is None:
+        prob = F.interpolate(grid_prob, size=size, mode="bilinear", align_corners=False)
+    else:
+        radius, dilation, sigma_space = ref.window()
+        small = size if ref.scale == 1.0 else (round(size[0] * ref.scale), round(size[1] * ref.scale))
+        prob = F.interpolate(grid_prob, size=small, mode="bilinear", align_corners=False)
+        image = rec.pixels if small == size else F.adaptive_avg_pool2d(rec.pixels, small)
+        prob = pixel_chain_refine(prob, image, radius=radius, dilation=dilation,
+                                  sigma_space=sigma_space, sigma_color=ref.sigma_color,
+                                  steps=ref.steps, nonzero=grid_prob.flatten(2).any(2))
+        if small != size:
+            prob = F.interpolate(prob, size=size, mode="bilinear", align_corners=False)
+    hard = prob.max(1).indices
+    labels = backends.component_regions(hard, method.components)
+    score = foreground_score(rec, method.scoring, method.name)
+    return part, decide_regions(grid_prob, score, prob, hard, labels, heat=HEAT)
 
 
 def _planted_with_pixels():
@@ -442,6 +462,10 @@ def test_escape_cuts_default_level_is_bit_identical_with_the_tree(steps):
     from segment.methods import EscapeCuts
 
     rec, _ = _planted_with_pixels()
+    for name in ("attn", "keys"):  # a batch of two: the image and its mirror
+        setattr(rec, name, {k: torch.cat([v, v]) for k, v in getattr(rec, name).items()})
+    rec.attn[0][1, :, 1:, 1:] = rec.attn[0][1, :, 1:, 1:].flip(-1)
+    rec.pixels = torch.cat([rec.pixels, rec.pixels.flip(-1)])
     method = EscapeCuts(escape=0.3, layers=[0], refine_steps=steps)
     out = method(rec)
     part, (heat, labels, fg) = _without_tree(method, rec)
@@ -510,3 +534,27 @@ def test_escape_cuts_refuse_a_bad_floor():
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="min_leaf"):
             EscapeCuts(min_leaf=bad)
+
+
+def test_escape_cuts_default_level_is_bit_identical_on_real_attention(dinov2_weights):
+    """The bundled photos in one batch on the real DINOv2 (21, 2 and 16 default regions,
+    a few dozen leaves: the bilinear kernel's rounding depends on the number of maps and
+    their memory layout): labels, foreground, heatmap and escape bit for bit as before."""
+    from pathlib import Path
+
+    from PIL import Image
+
+    import segment
+
+    root = Path(__file__).resolve().parents[1] / "datasets" / "examples"
+    seg = segment.load("dinov2_vits14", "cuts", checkpoint=str(dinov2_weights), device="cpu")
+    x = torch.stack([seg.preprocess(Image.open(root / f"{n}.png").convert("RGB"))
+                     for n in ("astronaut", "chelsea", "coffee")])
+    with torch.no_grad():
+        rec = seg.extract(x)
+        out = seg.method(rec)
+        part, (heat, labels, fg) = _without_tree(seg.method, rec)
+    assert torch.equal(out.labels, labels) and torch.equal(out.foreground, fg)
+    assert torch.equal(out.heatmap, heat)
+    assert all(torch.equal(e, f) for e, f in zip(out.escape, part.escape))
+    assert all(t.num_leaves > len(e) for t, e in zip(out.hierarchy, out.escape))

@@ -135,7 +135,8 @@ def refine_assignments(groups: Sequence[Tensor], pixels: Tensor, size: tuple[int
     Every map is refined on its own (the refinement is linear per map: bilinear
     upsampling, bounces ``x <- P x`` with ``P`` from the image alone). The bounces are
     elementwise per map, so the groups share one call; the bilinear upsamplings are done
-    per group, as PyTorch's CPU kernel rounds differently with the number of maps (from 8).
+    per group and in each group's own memory layout, as PyTorch's CPU kernel rounds
+    differently with the number of maps (from 8) and the layout.
     """
     size = (int(size[0]), int(size[1]))
     if refine.steps == 0:
@@ -144,21 +145,25 @@ def refine_assignments(groups: Sequence[Tensor], pixels: Tensor, size: tuple[int
     radius, dilation, sigma_space = refine.window()
     s = refine.scale
     small = size if s == 1.0 else (max(1, round(size[0] * s)), max(1, round(size[1] * s)))
-    prob = torch.cat([F.interpolate(g, size=small, mode="bilinear", align_corners=False)
-                      for g in groups], 1)
-    image = pixels.to(prob.device)
+    first = [F.interpolate(g, size=small, mode="bilinear", align_corners=False) for g in groups]
+    image = pixels.to(first[0].device)
     if small != size:
         image = F.adaptive_avg_pool2d(image, small)
     prob = pixel_chain_refine(
-        prob, image, radius=radius, dilation=dilation, sigma_space=sigma_space,
-        sigma_color=refine.sigma_color, steps=refine.steps,
+        first[0] if len(first) == 1 else torch.cat(first, 1), image, radius=radius,
+        dilation=dilation, sigma_space=sigma_space, sigma_color=refine.sigma_color,
+        steps=refine.steps,
         nonzero=torch.cat([g.flatten(2).any(2) for g in groups], 1),  # zero maps stay zero
     )
-    out = list(torch.split(prob, [g.shape[1] for g in groups], 1))
+    out = [prob]
+    if len(groups) > 1:
+        # each group's maps in the memory layout of its own upsampled maps (as refined alone:
+        # the bilinear kernel's rounding depends on the layout too)
+        out = [torch.empty_like(f).copy_(part) for f, part in
+               zip(first, torch.split(prob, [g.shape[1] for g in groups], 1))]
     if small != size:
-        out = [F.interpolate(p.contiguous(), size=size, mode="bilinear", align_corners=False)
-               for p in out]
-    return [p.contiguous() for p in out]
+        out = [F.interpolate(p, size=size, mode="bilinear", align_corners=False) for p in out]
+    return out
 
 
 @dataclass(frozen=True)
