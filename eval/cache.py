@@ -19,6 +19,7 @@ import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -38,7 +39,7 @@ CACHE_VERSION = 7  # 7: region and multi-class states hold the regions' escape p
 # 6: multi-class states hold region counts and small-region pixels
 # what turns a method's output into scores
 _SCORING = ("segment.core.record", "segment.core.reduce", "segment.core.masks", "segment.eval.metrics",
-            "segment.models.base", "segment.datasets.base")
+            "segment.models.base", "segment.datasets.base", "segment.eval.hierarchy", "segment.eval.trees")
 
 SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 """What is replaced by ``_`` when an item's name becomes a file name (cache files, panels)."""
@@ -87,7 +88,7 @@ class MetricCache:
             data = json.loads(p.read_text())
             if data.get("name") != name:
                 return CacheEntry()
-            states = {k: state_from_dict(v) for k, v in data["methods"].items()}
+            states = {k: _from_dict(v) for k, v in data["methods"].items()}
             fallback = data.get("prompt_fallback")
             return CacheEntry(states, None if fallback is None else bool(fallback))
         except (ValueError, KeyError, TypeError, AttributeError):
@@ -102,6 +103,16 @@ class MetricCache:
             data["prompt_fallback"] = prompt_fallback
         with atomic_path(self.path(name)) as tmp:
             tmp.write_text(json.dumps(data))
+
+
+def _from_dict(d: dict) -> Any:
+    """A cached state: a metric state, or a hierarchy's per-image scores
+    (:class:`segment.eval.hierarchy.ImageScores`, kind ``hierarchy``)."""
+    if d.get("kind") == "hierarchy":
+        from segment.eval.hierarchy import ImageScores
+
+        return ImageScores.from_dict(d)
+    return state_from_dict(d)
 
 
 def cache_dir(out_dir: Path, cfg: DictConfig, dataset: SegmentationDataset) -> Path:

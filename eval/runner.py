@@ -73,6 +73,9 @@ from segment.eval.settings import (
     output_dir,
 )
 from segment.eval.tables import Results, class_names_of, results_table
+from segment.eval.batches import batch_prompts, input_size_groups, item_names  # noqa: F401  (re-exported)
+from segment.eval.hierarchy import ImageScores
+from segment.eval.trees import default_threshold, scores_tree, tree_key, tree_states, tree_table
 
 from segment.core.record import AttentionRecord
 from segment.models.base import Backbone
@@ -215,10 +218,10 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
     gathered = dist.gather(mine_out, ctx)
     if not ctx.is_main:
         return EXIT_OK
-    results = _table(job, gathered or [], indices, len(todo), elapsed, reps)
+    results, trees = _table(job, gathered or [], indices, len(todo), elapsed, reps)
     results.write(out_dir)
     atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg))
-    print(results.markdown(), end="")
+    print(results.markdown() + trees, end="")
     if todo:
         log.info("scored %d images in %.1f s (%.2f images/s on rank 0)", len(todo), elapsed, len(todo) / max(elapsed, 1e-9))
     log.info("results in %s", out_dir)
@@ -229,7 +232,7 @@ def _read_cache(job: ScoreJob, names: Sequence[str], mine: Sequence[int]) -> lis
     """Fill ``job.states`` and ``job.fallbacks`` of this rank's images ``mine`` from the
     metric cache (logging what was reused); returns the images some method still lacks."""
     cache, ctx = job.cache, job.ctx
-    keys = [s.key for s in job.specs]
+    keys = [k for s in job.specs for k in _keys(job, s)]
     todo = []
     reused = 0
     for i in mine:
@@ -255,10 +258,17 @@ def _read_cache(job: ScoreJob, names: Sequence[str], mine: Sequence[int]) -> lis
     return todo
 
 
+def _keys(job: ScoreJob, spec: MethodSpec) -> list[str]:
+    """The cache keys of a method's per-image results: its state, and its hierarchy's scores
+    where it gives one (:mod:`segment.eval.trees`)."""
+    return [spec.key, *([tree_key(spec.key)] if scores_tree(spec.method, job.dataset.task) else [])]
+
+
 def _table(job: ScoreJob, gathered: Gathered, indices: Sequence[int], scored_now: int,
-           elapsed: float, reps: int) -> Results:
+           elapsed: float, reps: int) -> tuple[Results, str]:
     """The results table from every rank's per-image states (``gathered``), summed in data
-    set order; ``scored_now`` images took ``elapsed`` seconds on this rank."""
+    set order; ``scored_now`` images took ``elapsed`` seconds on this rank. With the
+    hierarchical methods' table (written to ``out_dir/hierarchy``) as Markdown."""
     per_image: dict[int, dict[str, dict]] = {}
     prompted: dict[int, bool | None] = {}
     for part_states, part_prompted in gathered:
@@ -280,26 +290,14 @@ def _table(job: ScoreJob, gathered: Gathered, indices: Sequence[int], scored_now
         if count:
             log.warning("%d of %d images had no class name and were prompted with the default"
                         " class", count, len(indices))
-    return results
-
-
-def batch_prompts(classes: Sequence[str | None], default: str | None,
-                  names: Sequence[str]) -> list[str] | None:
-    """Per-image prompts: each image's class name, ``default`` for an image without one.
-
-    ``None`` when no image has a class name (the backbone then uses its own default).
-
-    Raises:
-        ConfigError: some images lack a class name and there is no ``default``.
-    """
-    if all(c is None for c in classes):
-        return None
-    missing = [n for n, c in zip(names, classes) if c is None]
-    if missing and default is None:
-        raise ConfigError(
-            f"{', '.join(missing)}: no class name to prompt with and model.default_class is not set"
-        )
-    return [default if c is None else c for c in classes]  # type: ignore[misc]
+    tree_specs = [s for s in specs if scores_tree(s.method, dataset.task)]
+    if not tree_specs:
+        return results, ""
+    per = {s.label: [ImageScores.from_dict(per_image[i][tree_key(s.key)]) for i in indices] for s in tree_specs}
+    defaults = {default_threshold(s.method) for s in tree_specs}
+    tree = tree_table(per, defaults.pop() if len(defaults) == 1 else None, reps, int(job.cfg.get("seed") or 0),
+                      job.out_dir, f"{type(dataset).__name__}, {len(indices)} images")
+    return results, "\nEvery level (hierarchy/):\n\n" + tree.markdown()
 
 
 def _build_backbone(job: ScoreJob) -> Backbone:
@@ -317,16 +315,6 @@ def _build_backbone(job: ScoreJob) -> Backbone:
             raise ConfigError(f"method {s.label!r} cannot run on this model: {e}") from e
     job.timing.build_s = time.perf_counter() - t_build
     return backbone
-
-
-def input_size_groups(backbone: Backbone, images: Sequence[Any]) -> list[list[int]]:
-    """The positions of ``images`` grouped by the backbone's input size for each
-    (:meth:`segment.models.base.Backbone.input_size`; one group, in order, when every image
-    gets the same size: ``None``), groups in the order of their first image."""
-    groups: dict[Any, list[int]] = {}
-    for j, im in enumerate(images):
-        groups.setdefault(backbone.input_size(im), []).append(j)
-    return list(groups.values())
 
 
 def _score(job: ScoreJob, backbone: Backbone, todo: list[int]) -> None:
@@ -362,7 +350,7 @@ def _score_batch(job: ScoreJob, backbone: Backbone, batch: list[Sample], idx: li
     prompted = backbone.text_conditioned  # FLUX: a class word per image, else the default
     default_class = backbone.default_class
     panels = int(job.cfg.get("panels", 4) or 0)
-    need = [s for s in job.specs if any(s.key not in states[i] for i in idx)]
+    need = [s for s in job.specs if any(k not in states[i] for i in idx for k in _keys(job, s))]
     capture = union_capture([s.method for s in need], backbone.num_layers)
     pixels = backbone.collate([s.image for s in batch])
     classes = [s.class_name for s in batch]
@@ -392,8 +380,12 @@ def _score_batch(job: ScoreJob, backbone: Backbone, batch: list[Sample], idx: li
         else:
             new_all = [score_multiclass(o, targets, dataset.num_classes, s.label) for s, o in zip(need, outs)]
         for s, out, new in zip(need, outs, new_all):
+            tree = scores_tree(s.method, dataset.task)
+            trees = tree_states(out, targets, dataset.task, dataset.num_classes) if tree else []
             for j, i in enumerate(idx):
                 states[i][s.key] = new[j]
+                if trees:
+                    states[i][tree_key(s.key)] = trees[j]
             timing.images[s.key] = timing.images.get(s.key, 0) + len(idx)
             if panel_rows:
                 panel_tiles(panel_rows, out, targets, job.mask_at, s.label, dataset.task,

@@ -386,3 +386,175 @@ def test_recursive_ncut_same_partition_with_either_eigensolver():
     assert parts[0].counts.tolist() == parts[1].counts.tolist() == [4, 5]
     assert torch.equal(parts[0].labels, parts[1].labels)
     assert torch.equal(parts[0].labels, cuts.recursive_ncut(w, 0.3).labels)
+
+
+# --------------------------------------------------------------------------- the tree (cuts)
+
+
+def _without_tree(method, rec):
+    """``cuts`` as it was before it gave the tree (commit b70464e's code, inline):
+    recursive_ncut at ``escape``, the one-hot regions upsampled, refined by the pixel chain
+    and upsampled again, then the components and the decision: the default level's
+    reference."""
+    from segment import backends
+    from segment.core.regions import pixel_chain_refine
+    from segment.core.stages import decide_regions
+    from segment.methods.cuts import HEAT
+    from segment.methods.stages import foreground_score
+
+    part = cuts.recursive_ncut(method.cut_affinity(rec), float(method.escape))
+    b = part.labels.shape[0]
+    h, w = rec.layout.grid
+    grid_prob = F.one_hot(part.labels, int(part.counts.max())).to(torch.float32)
+    grid_prob = grid_prob.transpose(1, 2).reshape(b, -1, h, w)
+    size, ref = tuple(rec.image_size), method.refinement
+    if ref.steps == 0 or rec.pixels is None:
+        prob = F.interpolate(grid_prob, size=size, mode="bilinear", align_corners=False)
+    else:
+        radius, dilation, sigma_space = ref.window()
+        small = size if ref.scale == 1.0 else (round(size[0] * ref.scale), round(size[1] * ref.scale))
+        prob = F.interpolate(grid_prob, size=small, mode="bilinear", align_corners=False)
+        image = rec.pixels if small == size else F.adaptive_avg_pool2d(rec.pixels, small)
+        prob = pixel_chain_refine(prob, image, radius=radius, dilation=dilation,
+                                  sigma_space=sigma_space, sigma_color=ref.sigma_color,
+                                  steps=ref.steps, nonzero=grid_prob.flatten(2).any(2))
+        if small != size:
+            prob = F.interpolate(prob, size=size, mode="bilinear", align_corners=False)
+    hard = prob.max(1).indices
+    labels = backends.component_regions(hard, method.components)
+    score = foreground_score(rec, method.scoring, method.name)
+    return part, decide_regions(grid_prob, score, prob, hard, labels, heat=HEAT)
+
+
+def _planted_with_pixels():
+    rec, up, same = _planted()
+    g = torch.Generator().manual_seed(5)
+    img = torch.rand(1, 3, 32, 32, generator=g) * 0.2
+    img[0, 0] += (up == 1).float() * 0.7  # colour edges near the blocks
+    img[0, 1] += (up == 2).float() * 0.7
+    rec.pixels = img
+    return rec, up
+
+
+def test_refinement_is_linear_per_map_and_extra_maps_leave_the_assignment_bit_identical():
+    """What the tree's one refinement relies on: refine(a + b) = refine(a) + refine(b)
+    (float64 reference of the sum), and maps refined alongside change no bit of the others."""
+    from segment.core.stages import Refinement, refine_assignment, refine_assignments
+
+    g = torch.Generator().manual_seed(0)
+    a = (torch.rand(2, 3, 6, 8, generator=g) > 0.5).float()
+    b = (torch.rand(2, 9, 6, 8, generator=g) > 0.5).float()  # 12 maps: bilinear rounds apart
+    a[1, 2] = 0  # a zero map (skipped by the chain) stays linear
+    pixels = torch.rand(2, 3, 24, 32, generator=g)
+    for refine in (Refinement(), Refinement(steps=2, scale=1.0, radius=4, dilation=2)):
+        ra, rb, rab = (refine_assignment(x, pixels, (24, 32), refine)
+                       for x in (a, b[:, :3], a + b[:, :3]))
+        assert torch.allclose(rab.double(), ra.double() + rb.double(), atol=1e-6)
+        both = refine_assignments([a, b], pixels, (24, 32), refine)
+        assert torch.equal(both[0], ra)
+        assert torch.equal(both[1], refine_assignment(b, pixels, (24, 32), refine))
+
+
+@pytest.mark.parametrize("steps", [0, 3])
+def test_escape_cuts_default_level_is_bit_identical_with_the_tree(steps):
+    """The tree rides along: labels, foreground, heatmap and escape of the default level
+    are the very numbers cuts gave without it."""
+    from segment.methods import EscapeCuts
+
+    rec, _ = _planted_with_pixels()
+    for name in ("attn", "keys"):  # a batch of two: the image and its mirror
+        setattr(rec, name, {k: torch.cat([v, v]) for k, v in getattr(rec, name).items()})
+    rec.attn[0][1, :, 1:, 1:] = rec.attn[0][1, :, 1:, 1:].flip(-1)
+    rec.pixels = torch.cat([rec.pixels, rec.pixels.flip(-1)])
+    method = EscapeCuts(escape=0.3, layers=[0], refine_steps=steps)
+    out = method(rec)
+    part, (heat, labels, fg) = _without_tree(method, rec)
+    assert torch.equal(out.labels, labels) and torch.equal(out.foreground, fg)
+    assert torch.equal(out.heatmap, heat)
+    assert all(torch.equal(e, f) for e, f in zip(out.escape, part.escape))
+
+
+def test_escape_cuts_leaves_nest_under_the_default_regions_at_the_pixels():
+    """Every pixel's leaf lies under its default region (the argmax of the refined default
+    regions), so the level at escape at the pixels is that argmax, and each level is a
+    union of the regions of every finer level."""
+    from segment.methods import EscapeCuts
+    from segment.methods.stages import pixel_regions_with
+
+    rec, _ = _planted_with_pixels()
+    method = EscapeCuts(escape=0.3, layers=[0], refine_steps=3)
+    out = method(rec)
+    tree, leaves = out.hierarchy[0], out.leaves[0]
+    assert tree.num_leaves > 3 and len(torch.unique(leaves)) > 3
+    assert method.min_tokens(64) == 6
+    part, _ = _without_tree(method, rec)
+    h, w = rec.layout.grid
+    grid_prob = F.one_hot(part.labels, 3).float().transpose(1, 2).reshape(1, -1, h, w)
+    from segment.methods.cuts import HEAT
+    hard = pixel_regions_with(rec, grid_prob, None, score=method.scoring,
+                              refine=method.refinement, components=method.components,
+                              heat=HEAT, name="cuts").hard[0]
+    assert torch.equal(tree.pixel_labels_at(leaves, 0.3), hard)
+    ts = [0.0, *tree.heights.tolist(), 2.0]
+    levels = [tree.pixel_labels_at(leaves, t + 1e-9) for t in ts]
+    for coarse, fine in zip(levels, levels[1:]):  # every fine region inside one coarse one
+        pairs = torch.unique(fine.flatten() * 1000 + coarse.flatten())
+        assert len(pairs) == len(torch.unique(fine))
+
+
+def test_descend_follows_the_larger_mass_down_a_hand_built_tree():
+    """Leaves 0, 1, 2; split 3 = (0, 1) at 0.4, root 4 = (3, 2) at 0.2. From the root
+    (t = 0.1), a pixel goes to 3 when mass(3) >= mass(2), then to 0 or 1 by their masses."""
+    from segment.core.hierarchy import Hierarchy, descend
+
+    tree = Hierarchy(leaves=torch.tensor([0, 0, 1, 2]), children=torch.tensor([[0, 1], [3, 2]]),
+                     height=torch.tensor([0.4, 0.2], dtype=torch.float64),
+                     ncut=torch.tensor([0.4, 0.2], dtype=torch.float64),
+                     escape=torch.full((5,), 0.1, dtype=torch.float64))
+    assert tree.splits_below(0.1).tolist() == [0, 1]
+    # four pixels: masses of leaves 0, 1, 2 per pixel
+    leaf_mass = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.2, 0.7], [0.2, 0.35, 0.45],
+                              [0.25, 0.25, 0.5]])
+    total = leaf_mass.sum(1)
+    first = torch.stack([leaf_mass[:, 0], leaf_mass[:, 0] + leaf_mass[:, 1]])  # rows 0, 1
+    got = descend(tree, 0.1, torch.zeros(4, dtype=torch.long), total, first)
+    assert got.tolist() == [0, 2, 1, 0]  # 0.55 vs 0.45: split 3, then 0.2 < 0.35; ties first
+    # from the level at 0.3 (regions {0, 1} and {2}): only split 3 lies below
+    region = tree.leaf_labels_at(0.3)[torch.tensor([0, 2, 2, 0])]
+    own = torch.tensor([0.8, 0.7, 0.45, 0.5])
+    got = descend(tree, 0.3, region, own, leaf_mass[:, :1].T.contiguous())
+    assert got.tolist() == [0, 2, 2, 0]
+    with pytest.raises(ValueError, match="first_mass"):
+        descend(tree, 0.3, region, own, leaf_mass.T)
+
+
+def test_escape_cuts_refuse_a_bad_floor():
+    from segment.methods import EscapeCuts
+
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="min_leaf"):
+            EscapeCuts(min_leaf=bad)
+
+
+def test_escape_cuts_default_level_is_bit_identical_on_real_attention(dinov2_weights):
+    """The bundled photos in one batch on the real DINOv2 (21, 2 and 16 default regions,
+    a few dozen leaves: the bilinear kernel's rounding depends on the number of maps and
+    their memory layout): labels, foreground, heatmap and escape bit for bit as before."""
+    from pathlib import Path
+
+    from PIL import Image
+
+    import segment
+
+    root = Path(__file__).resolve().parents[1] / "datasets" / "examples"
+    seg = segment.load("dinov2_vits14", "cuts", checkpoint=str(dinov2_weights), device="cpu")
+    x = torch.stack([seg.preprocess(Image.open(root / f"{n}.png").convert("RGB"))
+                     for n in ("astronaut", "chelsea", "coffee")])
+    with torch.no_grad():
+        rec = seg.extract(x)
+        out = seg.method(rec)
+        part, (heat, labels, fg) = _without_tree(seg.method, rec)
+    assert torch.equal(out.labels, labels) and torch.equal(out.foreground, fg)
+    assert torch.equal(out.heatmap, heat)
+    assert all(torch.equal(e, f) for e, f in zip(out.escape, part.escape))
+    assert all(t.num_leaves > len(e) for t, e in zip(out.hierarchy, out.escape))

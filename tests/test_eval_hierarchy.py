@@ -398,3 +398,105 @@ def test_reproduces_reference_gpb_owt_ucm_val(shared_dir: Path):
         assert ods[s] == pytest.approx(ref["ODS"][2 * i], abs=5e-5), s
         assert ods[f"{s}_t"] == pytest.approx(ref["ODS"][2 * i + 1], abs=1e-9), s
         assert ois[s] == pytest.approx(ref["OIS"][i], abs=5e-5), s
+
+
+# --------------------------------------------------------------------------- segment-eval
+
+
+def test_segment_eval_scores_every_level_of_cuts_from_one_pass(tmp_path):
+    """method=cuts on BSDS (the tiny ViT): besides its row, segment-eval writes hierarchy/
+    (table, curves) from the same pass; the default level is the tree's level at escape on
+    the leaf map brought to the photo as segment brings labels there (Hierarchy.pixel_labels_at,
+    computed here by hand), ODS is the best threshold of the curve, OIS no worse; a rerun
+    takes every image from the metric cache."""
+    import csv as _csv
+    import json
+
+    from test_eval import TINY, _bsds, cfg_for
+
+    from segment.core.masks import labels_at
+    from segment.datasets.bsds import BSDS500
+    from segment.eval.runner import EXIT_OK, run_eval
+    from segment.eval.specs import instantiate_method, resolve_methods
+
+    root = _bsds(tmp_path / "bsds")
+    out = tmp_path / "out"
+    cfg = cfg_for(*TINY, "method=cuts", "dataset=bsds", f"dataset.root={root}", "model.image_size=[56,84]",
+                  "model.match_orientation=true", "batch_size=4", f"output={out}", "panels=0", "bootstrap=50")
+    assert run_eval(cfg) == EXIT_OK
+    got = json.loads((out / "hierarchy" / "hierarchy.json").read_text())
+    rows = {r["level"]: r for r in got["rows"]}
+    assert set(rows) == {"default", "ODS", "OIS", "OIS exact"} and rows["default"]["Covering_t"] == 0.5
+    for name in ("hierarchy.csv", "hierarchy.md", "curves.csv", "curves.png"):
+        assert (out / "hierarchy" / name).is_file(), name
+    # the default level by hand: the method's tree at escape on its leaf map at the photo's size
+    from segment.models.base import Backbone  # noqa: F401
+
+    from hydra.utils import instantiate
+
+    model = instantiate(cfg.model, device="cpu")
+    method = instantiate_method(resolve_methods(cfg)[0])
+    ds = BSDS500(root)
+    states = []
+    for i in range(len(ds)):
+        s = ds[i]
+        o = method(model.extract(model.collate([s.image]), method.capture(model.num_layers)))
+        leaves = labels_at(o.leaves, s.target.shape[1:], "smooth")[0]
+        states.append(region_state(o.hierarchy[0].pixel_labels_at(leaves, 0.5).numpy(), s.target))
+    want = total(states, RegionState()).scores()
+    assert rows["default"]["Covering"] == pytest.approx(want.Covering)
+    assert rows["default"]["PRI"] == pytest.approx(want.PRI) and rows["default"]["VI"] == pytest.approx(want.VI)
+    curve = list(_csv.DictReader((out / "hierarchy" / "curves.csv").read_text().splitlines()))
+    assert len(curve) == len(TREE_THRESHOLDS)
+    best = max(curve, key=lambda c: float(c["Covering"]))
+    assert rows["ODS"]["Covering"] == pytest.approx(float(best["Covering"]))
+    assert rows["ODS"]["Covering"] >= rows["default"]["Covering"] - 1e-12
+    assert rows["OIS"]["Covering"] >= rows["ODS"]["Covering"] - 1e-12
+    assert rows["OIS"]["VI"] <= rows["ODS"]["VI"] + 1e-12
+    lo, hi = rows["ODS"]["ci95"]["Covering"]
+    assert lo <= rows["ODS"]["Covering"] + 1e-9 and rows["ODS"]["Covering"] <= hi + 1e-9
+    # the rerun: every image's states (the tree's included) from the cache, the same table
+    assert run_eval(cfg) == EXIT_OK
+    assert json.loads((out / "hierarchy" / "hierarchy.json").read_text()) == got
+
+
+def test_segment_eval_scores_the_levels_of_cuts_on_a_label_folder(tmp_path):
+    """dataset=labels (multi-class): the hierarchy table holds the default level and the ODS
+    (mIoU) only, the default level's mIoU that of the tree's level at escape by hand."""
+    import json
+
+    from test_eval import TINY, _save_png, cfg_for
+
+    from segment.core.masks import labels_at
+    from segment.eval.runner import EXIT_OK, run_eval
+    from segment.eval.specs import instantiate_method, resolve_methods
+
+    root = tmp_path / "set"
+    rng = np.random.default_rng(1)
+    for i in range(3):
+        _save_png(root / "images" / f"s{i}.png", rng.integers(0, 256, (30, 40, 3), dtype=np.uint8))
+        lab = np.repeat(rng.integers(0, 3, (3, 4)), 10, 0).repeat(10, 1).astype(np.uint8)
+        _save_png(root / "labels" / f"s{i}.png", lab)
+    out = tmp_path / "out"
+    cfg = cfg_for(*TINY, "method=cuts", "dataset=labels", f"dataset.root={root}", "dataset.num_classes=3",
+                  "model.image_size=[56,84]", "batch_size=2", f"output={out}", "panels=0", "bootstrap=0")
+    assert run_eval(cfg) == EXIT_OK
+    rows = {r["level"]: r for r in json.loads((out / "hierarchy" / "hierarchy.json").read_text())["rows"]}
+    assert set(rows) == {"default", "ODS"}
+    from hydra.utils import instantiate
+
+    from segment.datasets.multiclass import LabelFolder
+
+    model = instantiate(cfg.model, device="cpu")
+    method = instantiate_method(resolve_methods(cfg)[0])
+    ds = LabelFolder(root, num_classes=3)
+    states = []
+    for i in range(len(ds)):
+        s = ds[i]
+        o = method(model.extract(model.collate([s.image]), method.capture(model.num_layers)))
+        leaves = labels_at(o.leaves, s.target.shape, "smooth")[0]
+        states.append(hungarian_state(o.hierarchy[0].pixel_labels_at(leaves, 0.5).numpy(), s.target, 3))
+    summed = total(states[1:], states[0])
+    tp, fp, fn = (np.asarray(x) for x in (summed.tp, summed.fp, summed.fn))
+    assert rows["default"]["mIoU"] == pytest.approx(100 * float(miou_of_sums(tp, fp, fn)))
+    assert rows["ODS"]["mIoU"] >= rows["default"]["mIoU"] - 1e-9

@@ -147,7 +147,7 @@ def _attempt(cls: type, values: dict[str, Any], bb: Backbones, kind: str) -> Out
             out = method(bb.record(kind, cap))
     except ValueError as e:
         return f"refused when run: {e}"
-    return Outcome(cap, (out.heatmap, out.labels, out.foreground))
+    return Outcome(cap, (out.heatmap, out.labels, out.foreground, out.leaves))
 
 
 def method_knobs(name: str) -> tuple[type, dict[str, Any], list[str]]:

@@ -26,6 +26,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from segment.eval.bench.tree import main as run
 
         run(rest)
+    elif what == "nesting":
+        from segment.eval.bench.nesting import main as run
+
+        run(rest)
     elif what == "pipeline":
         from segment.eval.bench.pipeline import main as run
 

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["Hierarchy", "Level"]
+__all__ = ["Hierarchy", "Level", "descend"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -288,3 +288,70 @@ class Hierarchy:
             raise ValueError(f"leaf_pixels must hold leaf ids in [0, {self.num_leaves}), got "
                              f"[{int(leaf_pixels.min())}, {int(leaf_pixels.max())}]")
         return self.leaf_labels_at(t).to(leaf_pixels.device)[leaf_pixels.long()]
+
+    def members(self) -> Tensor:
+        """``(2L-1, L)`` bool: the leaves under every node (leaves, then splits; CPU)."""
+        num = self.num_leaves
+        member = torch.zeros(2 * num - 1, num, dtype=torch.bool)
+        member[:num] = torch.eye(num, dtype=torch.bool)
+        for r, (a, b) in enumerate(self.children.tolist()):
+            member[num + r] = member[a] | member[b]
+        return member
+
+    def splits_below(self, t: float) -> Tensor:
+        """``(S,)`` int64 the rows of ``children`` whose split is not kept at ``t`` (height
+        ``>= t``): the splits below the level ``labels_at(t)``, ``S = L - K``, in row order."""
+        return torch.nonzero(self.height >= float(t))[:, 0]
+
+
+def descend(tree: Hierarchy, t: float, region: Tensor, mass: Tensor, first_mass: Tensor
+            ) -> Tensor:
+    """Every pixel's leaf, from its region at threshold ``t`` down the tree by the larger mass.
+
+    A pixel of region ``k`` of ``tree.level(t)`` starts at that region's node with the
+    region's mass there; at each split below (:meth:`Hierarchy.splits_below`) it goes to the
+    child of larger mass (ties: the first child), the second child's mass being the node's
+    minus the first's, until it reaches a leaf. With linear maps (e.g. refined one-hot maps
+    of the token regions: each node's map is the sum of its leaves' maps) a pixel thus ends at
+    a leaf under its own region, every level stays a union of the finest one's pixels, and
+    the region at ``t`` is never changed.
+
+    Args:
+        tree: the image's hierarchy.
+        t: the threshold of the level the pixels start from.
+        region: ``(P,)`` int64 each pixel's region at ``t`` (ids of ``tree.level(t)``).
+        mass: ``(P,)`` each pixel's mass of its own region.
+        first_mass: ``(S, P)`` the mass of the first child of every split below the level,
+            in the order of :meth:`Hierarchy.splits_below` ``(t)``.
+
+    Returns:
+        ``(P,)`` int64 each pixel's leaf (``0 .. L-1``), on ``region``'s device.
+    """
+    num = tree.num_leaves
+    rows = tree.splits_below(t)
+    if first_mass.dim() != 2 or first_mass.shape != (len(rows), region.numel()) \
+            or mass.shape != region.shape:
+        raise ValueError(f"first_mass must be ({len(rows)}, {region.numel()}) and mass "
+                         f"({region.numel()},), got {tuple(first_mass.shape)} and "
+                         f"{tuple(mass.shape)}")
+    dev = region.device
+    nodes = tree.level(t).nodes.to(dev)
+    if region.numel() and (int(region.min()) < 0 or int(region.max()) >= len(nodes)):
+        raise ValueError(f"region must hold the {len(nodes)} region ids of the level at {t}")
+    children = tree.children.to(dev)
+    chan = torch.full((2 * num - 1,), -1, dtype=torch.long, device=dev)
+    chan[num + rows.to(dev)] = torch.arange(len(rows), device=dev)
+    node = nodes[region]
+    mass = mass.clone()
+    pix = torch.arange(region.numel(), device=dev)
+    for _ in range(tree.depth):
+        split = torch.nonzero(node >= num)[:, 0]
+        if not split.numel():
+            break
+        at = node[split]
+        m0 = first_mass[chan[at], pix[split]]
+        m1 = mass[split] - m0
+        first = m0 >= m1
+        node[split] = torch.where(first, children[at - num, 0], children[at - num, 1])
+        mass[split] = torch.where(first, m0, m1)
+    return node

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from segment.core.hierarchy import Hierarchy
 
 
 @dataclass
@@ -32,6 +36,11 @@ class MethodOutput:
         escape: per image, ``(K_b,)`` the escape probability of every region of the
             method's partition of the tokens (the chance that the stationary walk leaves it
             in one step, :func:`segment.core.cuts.escape_probabilities`), or ``None``.
+        hierarchy: per image, the :class:`segment.core.hierarchy.Hierarchy` of a method
+            that gives every level (``cuts``), or ``None``.
+        leaves: ``(B, h', w')`` int64 with ``hierarchy``: every pixel's leaf of its image's
+            hierarchy, at the resolution of ``labels`` (the finest level at the pixels:
+            ``hierarchy[i].pixel_labels_at(leaves[i], t)`` is the level at ``t``).
     """
 
     heatmap: Tensor
@@ -39,6 +48,8 @@ class MethodOutput:
     foreground: Tensor | None = None
     converged: Tensor | None = None
     escape: list[Tensor] | None = None
+    hierarchy: list[Hierarchy] | None = None
+    leaves: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.heatmap.dim() != 3:
@@ -48,6 +59,16 @@ class MethodOutput:
         if self.escape is not None and len(self.escape) != self.heatmap.shape[0]:
             raise ValueError(f"escape must hold one tensor per image ({self.heatmap.shape[0]}),"
                              f" got {len(self.escape)}")
+        if (self.hierarchy is None) != (self.leaves is None):
+            raise ValueError("hierarchy and leaves come together")
+        if self.hierarchy is not None:
+            b = self.heatmap.shape[0]
+            if len(self.hierarchy) != b:
+                raise ValueError(f"hierarchy must hold one tree per image ({b}), got"
+                                 f" {len(self.hierarchy)}")
+            if self.labels is None or tuple(self.leaves.shape) != tuple(self.labels.shape):
+                raise ValueError(f"leaves must be (B, h', w') as the labels, got"
+                                 f" {tuple(self.leaves.shape)}")
 
 
 def concat_outputs(parts: Sequence[MethodOutput]) -> MethodOutput:
@@ -64,8 +85,12 @@ def concat_outputs(parts: Sequence[MethodOutput]) -> MethodOutput:
     escape = None
     if all(p.escape is not None for p in parts):
         escape = [e for p in parts for e in p.escape]
+    tree = leaves = None
+    if all(p.hierarchy is not None for p in parts):
+        tree = [t for p in parts for t in p.hierarchy]
+        leaves = torch.cat([p.leaves for p in parts])
     return MethodOutput(heatmap=heat, labels=torch.cat([p.labels for p in parts]), foreground=fg,
-                        converged=conv, escape=escape)
+                        converged=conv, escape=escape, hierarchy=tree, leaves=leaves)
 
 
 def upsample(heatmap: Tensor, size: tuple[int, int]) -> Tensor:

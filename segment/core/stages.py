@@ -24,6 +24,7 @@ without the method's name, which the methods add.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,8 @@ from torch import Tensor
 from segment.core.masks import minmax
 from segment.core.regions import pixel_chain_refine, region_scores
 
-__all__ = ["HEATS", "Components", "Refinement", "decide_regions", "refine_assignment"]
+__all__ = ["HEATS", "Components", "Refinement", "decide_regions", "refine_assignment",
+           "refine_assignments"]
 
 HEATS = ("expected", "blend")
 
@@ -121,24 +123,47 @@ def refine_assignment(grid_prob: Tensor, pixels: Tensor, size: tuple[int, int],
         ``(B, K, H, W)`` float32 on ``grid_prob``'s device; each pixel's maps are convex
         combinations of the bilinearly upsampled ones.
     """
+    return refine_assignments([grid_prob], pixels, size, refine)[0]
+
+
+def refine_assignments(groups: Sequence[Tensor], pixels: Tensor, size: tuple[int, int],
+                       refine: Refinement) -> list[Tensor]:
+    """:func:`refine_assignment` of several groups of maps ``(B, K_g, h, w)`` of the same
+    images, by one pixel chain: each group's result is bit for bit
+    :func:`refine_assignment` of that group alone.
+
+    Every map is refined on its own (the refinement is linear per map: bilinear
+    upsampling, bounces ``x <- P x`` with ``P`` from the image alone). The bounces are
+    elementwise per map, so the groups share one call; the bilinear upsamplings are done
+    per group and in each group's own memory layout, as PyTorch's CPU kernel rounds
+    differently with the number of maps (from 8) and the layout.
+    """
     size = (int(size[0]), int(size[1]))
     if refine.steps == 0:
-        return F.interpolate(grid_prob, size=size, mode="bilinear", align_corners=False)
+        return [F.interpolate(g, size=size, mode="bilinear", align_corners=False)
+                for g in groups]
     radius, dilation, sigma_space = refine.window()
     s = refine.scale
     small = size if s == 1.0 else (max(1, round(size[0] * s)), max(1, round(size[1] * s)))
-    prob = F.interpolate(grid_prob, size=small, mode="bilinear", align_corners=False)
-    image = pixels.to(prob.device)
+    first = [F.interpolate(g, size=small, mode="bilinear", align_corners=False) for g in groups]
+    image = pixels.to(first[0].device)
     if small != size:
         image = F.adaptive_avg_pool2d(image, small)
     prob = pixel_chain_refine(
-        prob, image, radius=radius, dilation=dilation, sigma_space=sigma_space,
-        sigma_color=refine.sigma_color, steps=refine.steps,
-        nonzero=grid_prob.flatten(2).any(2),  # bilinear upsampling keeps zero maps zero
+        first[0] if len(first) == 1 else torch.cat(first, 1), image, radius=radius,
+        dilation=dilation, sigma_space=sigma_space, sigma_color=refine.sigma_color,
+        steps=refine.steps,
+        nonzero=torch.cat([g.flatten(2).any(2) for g in groups], 1),  # zero maps stay zero
     )
+    out = [prob]
+    if len(groups) > 1:
+        # each group's maps in the memory layout of its own upsampled maps (as refined alone:
+        # the bilinear kernel's rounding depends on the layout too)
+        out = [torch.empty_like(f).copy_(part) for f, part in
+               zip(first, torch.split(prob, [g.shape[1] for g in groups], 1))]
     if small != size:
-        prob = F.interpolate(prob, size=size, mode="bilinear", align_corners=False)
-    return prob
+        out = [F.interpolate(p, size=size, mode="bilinear", align_corners=False) for p in out]
+    return out
 
 
 @dataclass(frozen=True)

@@ -270,6 +270,7 @@ class Method(abc.ABC):
         (-1,), "the layers it reads, negative from the end; null = all layers")
     # whether the output holds region labels (``MethodOutput.labels``), not only a heatmap
     gives_labels: ClassVar[bool] = False
+    gives_hierarchy: ClassVar[bool] = False  # MethodOutput.hierarchy and .leaves (cuts)
     # the backbone kinds (``Backbone.kind``) this method runs on; the others are refused
     # before the first batch (``segment.run.api.check_method``)
     backbones: ClassVar[frozenset[str]] = frozenset({"vit", "dit"})

@@ -13,8 +13,9 @@ from torch import Tensor
 from segment.core.masks import MethodOutput
 from segment.core.record import AttentionRecord, Capture
 from segment.core.stages import Components, Refinement
+from segment.core.hierarchy import descend
 from segment.methods.base import FusesHeads, fused_patch_chain, knob, refuse_inactive
-from segment.methods.stages import ForegroundScore, foreground_score, pixel_regions
+from segment.methods.stages import ForegroundScore, foreground_score, pixel_regions_with
 
 if TYPE_CHECKING:
     from segment.backends import EigenBackend
@@ -53,10 +54,31 @@ class EscapeCuts(FusesHeads):
     Per image, each region's escape probability on the whole chain (of the token partition,
     before refinement) is ``MethodOutput.escape``; ``segment`` writes it into the image's
     record and the API's ``Result.escape``.
+
+    **Every level** (``MethodOutput.hierarchy``, ``MethodOutput.leaves``): the cuts go on
+    past ``escape`` down to a floor (:func:`segment.core.cuts.cut_tree`: a region of fewer
+    than ``min_leaf`` of the grid's tokens is a leaf), giving per image a
+    :class:`segment.core.hierarchy.Hierarchy` whose level at ``escape`` is the partition of
+    step 2. The finest level is refined with the default one, by the same pixel chain, in
+    one call: the refinement is linear per map (bilinear upsampling, bounces ``x <- P x``
+    with ``P`` from the image alone, zero maps skipped; ``tests/test_cuts.py`` checks it),
+    so a node's refined map is the sum of its leaves'. Besides the ``K`` default regions'
+    maps, the first child of each of the ``L - K`` splits below the default level is
+    refined (``L`` maps in all, as many as the leaves), and every pixel of a default
+    region (step 3's argmax, before the components) descends the tree below it to the
+    child of larger refined mass (:func:`segment.core.hierarchy.descend`; the second
+    child's mass is the parent's minus the first's). So the default level's labels, mask
+    and heatmap are the very numbers without the tree, every pixel's leaf lies under its
+    default region, and the pixels of a region at any threshold are the union of its
+    leaves' (``Hierarchy.pixel_labels_at(leaves, t)``): the levels nest at the pixel level.
+    The floor is a fraction of the grid, not a token count, so the tree has about as many
+    leaves (maps to refine) at any input size and its finest level covers the same share
+    of the image.
     """
 
     name: str = knob("cuts", "the method's name in tables, manifests and file records")
     gives_labels: ClassVar[bool] = True
+    gives_hierarchy: ClassVar[bool] = True
     layers: Sequence[int] | int | None = knob(
         (-1,), "the layers whose chains are averaged (and whose CLS attention scores); null ="
         " all")
@@ -69,12 +91,17 @@ class EscapeCuts(FusesHeads):
                                " resolution")
     min_area: float = knob(0.002, "components smaller than this fraction of the image are"
                            " absorbed by their neighbours (specks)")
+    min_leaf: float = knob(0.094, "the tree's floor: a region with fewer than this fraction of"
+                           " the grid's tokens is a leaf (not cut further), in (0, 1]")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if isinstance(self.escape, bool) or not 0 < float(self.escape) <= 2:
             raise ValueError(f"{self.name}: escape must lie in (0, 2] (a sum of two escape"
                              f" probabilities), got {self.escape!r}")
+        if isinstance(self.min_leaf, bool) or not 0 < float(self.min_leaf) <= 1:
+            raise ValueError(f"{self.name}: min_leaf is a fraction of the token grid in (0, 1],"
+                             f" got {self.min_leaf!r}")
         try:  # the stages' settings validate their own knobs
             self.refinement, self.components, self.scoring  # noqa: B018
         except ValueError as e:
@@ -99,6 +126,11 @@ class EscapeCuts(FusesHeads):
         """The CLS attention of ``layers`` after one step of their key chain."""
         return ForegroundScore(layers=self.layers, keychain=True,
                                key_temperature=self.key_temperature)
+
+    def min_tokens(self, num_tokens: int) -> int:
+        """The tree's floor on a grid of ``num_tokens``: ``round(min_leaf * num_tokens)``,
+        at least 2 (24 of the 256 tokens at 224 px, 96 of 1024 at 448 px)."""
+        return max(2, round(float(self.min_leaf) * int(num_tokens)))
 
     def capture(self, num_layers: int) -> Capture:
         mine = Capture(layers=Capture(layers=self.layers).resolve(num_layers),
@@ -144,17 +176,41 @@ class EscapeCuts(FusesHeads):
         from segment.core import cuts
 
         eigvec = partial(backends.second_eigenvectors, backend=eigen)
-        w = self.cut_affinity(record)
+        w_aff = self.cut_affinity(record)
         # a level that would not fit in memory is cut in chunks; one image that does not
         # fit is refused (MemoryError naming batch_size)
-        part = cuts.recursive_ncut(w, float(self.escape), eigvec=eigvec,
-                                   memory_limit=backends.memory_budget(w.device))
-        b = part.labels.shape[0]
+        trees = cuts.cut_tree(w_aff, min_tokens=self.min_tokens(w_aff.shape[-1]),
+                              tau=float(self.escape), eigvec=eigvec,
+                              memory_limit=backends.memory_budget(w_aff.device))
+        tau = float(self.escape)
+        # the level at escape: recursive_ncut(W, escape)'s partition, numbering included
+        part_labels = torch.stack([t.labels_at(tau) for t in trees])  # (B, n)
+        counts = [t.count_at(tau) for t in trees]
+        k = max(counts)
+        esc = cuts.escape_probabilities(w_aff, part_labels, k)
+        b = part_labels.shape[0]
         h, w = record.layout.grid
-        grid_prob = F.one_hot(part.labels, int(part.counts.max())).to(torch.float32)
+        grid_prob = F.one_hot(part_labels, k).to(torch.float32)
         grid_prob = grid_prob.transpose(1, 2).reshape(b, -1, h, w)  # (B, K, h, w)
-        heat, labels, foreground = pixel_regions(
-            record, grid_prob, score=self.scoring, refine=self.refinement,
-            components=self.components, heat=HEAT, name=self.name)
+        # below the level: the first child of every split, as a one-hot map on the grid
+        below = [t.splits_below(tau) for t in trees]
+        extra = torch.zeros(b, max(len(r) for r in below), h * w, device=grid_prob.device)
+        for i, (t, rows) in enumerate(zip(trees, below)):
+            if len(rows):
+                first = t.members()[t.children[rows, 0]].to(grid_prob.device)  # (S, L)
+                extra[i, : len(rows)] = first[:, t.leaves.to(grid_prob.device)].float()
+        got = pixel_regions_with(
+            record, grid_prob, extra.reshape(b, -1, h, w) if extra.shape[1] else None,
+            score=self.scoring, refine=self.refinement, components=self.components,
+            heat=HEAT, name=self.name)
+        heat, labels, foreground = got.decided
+        leaves = torch.empty_like(got.hard)
+        for i, t in enumerate(trees):
+            region = got.hard[i].flatten()
+            own = got.prob[i].flatten(1).gather(0, region[None])[0]
+            first = (got.extra[i, : len(below[i])].flatten(1) if got.extra is not None
+                     else own.new_zeros(0, region.numel()))
+            leaves[i] = descend(t, tau, region, own, first).view_as(got.hard[i])
         return MethodOutput(heatmap=heat, labels=labels, foreground=foreground,
-                            escape=[e.to(labels.device) for e in part.escape])
+                            escape=[esc[i, : counts[i]].to(labels.device) for i in range(b)],
+                            hierarchy=trees, leaves=leaves)

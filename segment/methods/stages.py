@@ -9,17 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from segment.core.record import AttentionRecord, Capture
-from segment.core.stages import Components, Refinement, decide_regions, refine_assignment
+from segment.core.stages import Components, Refinement, decide_regions, refine_assignments
 from segment.methods.attention import keychain_step, query_rows
 from segment.methods.base import as_compute, check_fused_heads, layer_tuple, resolve_layers
 
-__all__ = ["ForegroundScore", "foreground_score", "pixel_regions"]
+__all__ = ["ForegroundScore", "PixelRegions", "foreground_score", "pixel_regions",
+           "pixel_regions_with"]
 
 
 @dataclass(frozen=True)
@@ -109,14 +111,44 @@ def pixel_regions(record: AttentionRecord, grid_prob: Tensor, *, score: Foregrou
     every pixel's most likely region, its connected components
     (:func:`segment.backends.component_regions`) and the decision and heatmap
     (:func:`decide_regions` with ``heat``)."""
+    return pixel_regions_with(record, grid_prob, None, score=score, refine=refine,
+                              components=components, heat=heat, name=name).decided
+
+
+class PixelRegions(NamedTuple):
+    """What :func:`pixel_regions_with` gives: ``decided`` = ``(heat, labels, foreground)``
+    as :func:`pixel_regions`; ``prob`` ``(B, K, H, W)`` the refined assignment; ``hard``
+    ``(B, H, W)`` every pixel's most likely region of it (before the components);
+    ``extra`` the extra maps refined alongside (``(B, E, H, W)``; ``None`` without them)."""
+
+    decided: tuple[Tensor, Tensor, Tensor]
+    prob: Tensor
+    hard: Tensor
+    extra: Tensor | None
+
+
+def pixel_regions_with(record: AttentionRecord, grid_prob: Tensor, extra: Tensor | None, *,
+                       score: ForegroundScore, refine: Refinement, components: Components,
+                       heat: str, name: str) -> PixelRegions:
+    """:func:`pixel_regions`, with ``extra`` ``(B, E, h, w)`` maps on the grid refined by the
+    same pixel chain alongside the assignment (one call; ``None``: none).
+
+    The refinement treats every map on its own (:func:`refine_assignments`: bilinear
+    upsampling per group, the chain's bounces ``x <- P x`` with ``P`` from the image alone,
+    zero maps skipped), so the assignment's refined maps, and everything decided from them,
+    are the very numbers :func:`pixel_regions` computes without ``extra``."""
     from segment import backends
 
     s = foreground_score(record, score, name)  # (B, h, w)
     size = tuple(record.image_size)
+    groups = [grid_prob] if extra is None else [grid_prob, extra.to(grid_prob)]
     if refine.steps > 0 and record.pixels is not None:
-        prob = refine_assignment(grid_prob, record.pixels, size, refine)
+        refined = refine_assignments(groups, record.pixels, size, refine)
     else:
-        prob = F.interpolate(grid_prob, size=size, mode="bilinear", align_corners=False)
+        refined = [F.interpolate(g, size=size, mode="bilinear", align_corners=False)
+                   for g in groups]
+    prob = refined[0]
     hard = prob.max(1).indices  # (B, H, W) (max: faster than argmax)
     labels = backends.component_regions(hard, components)
-    return decide_regions(grid_prob, s, prob, hard, labels, heat=heat)
+    decided = decide_regions(grid_prob, s, prob, hard, labels, heat=heat)
+    return PixelRegions(decided, prob, hard, None if extra is None else refined[1])
