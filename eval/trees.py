@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from segment.eval.hierarchy import (
@@ -38,6 +37,7 @@ from segment.eval.hierarchy import (
 from torch import Tensor
 
 from segment.core.masks import MethodOutput, label_upsampling_setting, labels_at
+from segment.methods.base import Method
 
 TASKS = ("regions", "multiclass")
 
@@ -47,9 +47,9 @@ def tree_key(key: str) -> str:
     return f"{key}#tree"
 
 
-def scores_tree(method: Any, task: str) -> bool:
+def scores_tree(method: Method, task: str) -> bool:
     """Whether ``segment-eval`` scores ``method``'s hierarchy on a set of ``task``."""
-    return bool(getattr(method, "gives_hierarchy", False)) and task in TASKS
+    return method.gives_hierarchy and task in TASKS
 
 
 def tree_states(out: MethodOutput, targets: Sequence[Tensor], task: str, num_classes: int = 0
@@ -67,9 +67,10 @@ def tree_states(out: MethodOutput, targets: Sequence[Tensor], task: str, num_cla
     return res
 
 
-def default_threshold(method: Any) -> float | None:
-    """The threshold of the method's own level (``escape``) when it is one of those scored."""
-    t = getattr(method, "escape", None)
+def default_threshold(method: Method) -> float | None:
+    """The threshold of the method's own level (:attr:`Method.default_level`, ``escape``)
+    when it is one of those scored."""
+    t = method.default_level
     if t is None or not np.any(np.isclose(TREE_THRESHOLDS, float(t), rtol=0, atol=1e-9)):
         return None
     return float(TREE_THRESHOLDS[np.isclose(TREE_THRESHOLDS, float(t), rtol=0, atol=1e-9)][0])

@@ -272,8 +272,14 @@ class Method(abc.ABC):
     gives_labels: ClassVar[bool] = False
     gives_hierarchy: ClassVar[bool] = False  # MethodOutput.hierarchy and .leaves (cuts)
     # the backbone kinds (``Backbone.kind``) this method runs on; the others are refused
-    # before the first batch (``segment.run.api.check_method``)
+    # before the first batch (``segment.run.api.segmenter.check_method``)
     backbones: ClassVar[frozenset[str]] = frozenset({"vit", "dit"})
+
+    @property
+    def default_level(self) -> float | None:
+        """For a method that gives a hierarchy, the threshold of the level its labels are
+        (``Hierarchy.labels_at``); ``None`` for the others."""
+        return None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", layer_tuple(self.layers, self.name))

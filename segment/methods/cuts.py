@@ -127,6 +127,11 @@ class EscapeCuts(FusesHeads):
         return ForegroundScore(layers=self.layers, keychain=True,
                                key_temperature=self.key_temperature)
 
+    @property
+    def default_level(self) -> float:
+        """The tree's level the labels are: ``escape``."""
+        return float(self.escape)
+
     def min_tokens(self, num_tokens: int) -> int:
         """The tree's floor on a grid of ``num_tokens``: ``round(min_leaf * num_tokens)``,
         at least 2 (24 of the 256 tokens at 224 px, 96 of 1024 at 448 px)."""
