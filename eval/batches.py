@@ -1,30 +1,14 @@
-"""``segment-eval``'s batches: which items, grouped how, prompted with what (moved out of
-:mod:`segment.eval.runner`, which re-exports them)."""
+"""``segment-eval``'s batches: grouped how, prompted with what (moved out of
+:mod:`segment.eval.runner`, which re-exports them; the items: :func:`segment.eval.settings.item_names`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from omegaconf import DictConfig
-from segment.datasets.base import SegmentationDataset
 from segment.eval.specs import ConfigError
 
 from segment.models.base import Backbone
-
-
-def item_names(cfg: DictConfig, dataset: SegmentationDataset) -> list[str]:
-    """The names of the items to score: the first ``limit`` of the data set (all without)."""
-    n = len(dataset)
-    limit = cfg.get("limit")
-    if limit is not None:
-        if int(limit) < 1:
-            raise ConfigError(f"limit must be a positive number of images, got {limit}")
-        n = min(n, int(limit))
-    names = [dataset.name(i) for i in range(n)]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"{type(dataset).__name__}: item names are not unique")
-    return names
 
 
 def batch_prompts(classes: Sequence[str | None], default: str | None,

@@ -40,7 +40,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -73,7 +72,7 @@ from segment.eval.settings import (
     output_dir,
 )
 from segment.eval.tables import Results, class_names_of, results_table
-from segment.eval.batches import batch_prompts, input_size_groups, item_names  # noqa: F401  (re-exported)
+from segment.eval.batches import batch_prompts, input_size_groups  # noqa: F401  (re-exported)
 from segment.eval.hierarchy import ImageScores
 from segment.eval.trees import default_threshold, scores_tree, tree_key, tree_states, tree_table
 

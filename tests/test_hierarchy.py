@@ -13,6 +13,7 @@ import torch
 
 from segment.core import cuts
 from segment.core.hierarchy import Hierarchy
+from test_cuts import planted_affinity
 
 
 def nested_affinity(m: int, a: float, b: float, c: float, e: float) -> torch.Tensor:
@@ -44,19 +45,6 @@ def closed_form(a: float, b: float, c: float, e: float) -> dict[str, float]:
     return dict(root=8 * e / s, group=4 * c / (a + b + 2 * c), pair=2 * b / (a + b), block=1.0,
                 esc_group=4 * e / s, esc_pair=(2 * c + 4 * e) / s,
                 esc_block=(b + 2 * c + 4 * e) / s)
-
-
-def planted_affinity(k: int, m: int, eps: float, noise: float = 0.0, seed: int = 0) -> torch.Tensor:
-    """``(1, k m, k m)`` k blocks left with probability ``eps`` (tests/test_cuts.py)."""
-    n = k * m
-    block = torch.arange(n) // m
-    same = (block[:, None] == block[None, :]).double()
-    w = (1 - eps) * same / m + eps * (1 - same) / (n - m)
-    if noise:
-        g = torch.Generator().manual_seed(seed)
-        x = noise * torch.rand(n, n, generator=g, dtype=torch.float64) / n
-        w = w + (x + x.T) / 2
-    return w.unsqueeze(0)
 
 
 def node_tokens(h: Hierarchy) -> list[set[int]]:

@@ -17,7 +17,6 @@ import argparse
 import statistics
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F

@@ -117,19 +117,19 @@ class RegionGrow(FusesHeads):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for knob, allowed in (("chain", _CHAINS), ("key_fuse", _KEY_FUSE), ("seeds", _SEEDS)):
-            if getattr(self, knob) not in allowed:
+        for setting, allowed in (("chain", _CHAINS), ("key_fuse", _KEY_FUSE), ("seeds", _SEEDS)):
+            if getattr(self, setting) not in allowed:
                 raise ValueError(
-                    f"{self.name}: {knob} must be one of {allowed}, got {getattr(self, knob)!r}"
+                    f"{self.name}: {setting} must be one of {allowed}, got {getattr(self, setting)!r}"
                 )
-        for knob, low in (("steps", 1), ("max_seeds", 1), ("seed_stride", 1), ("num_seeds", 1),
+        for setting, low in (("steps", 1), ("max_seeds", 1), ("seed_stride", 1), ("num_seeds", 1),
                           ("seed_radius", 0), ("iterations", 1)):
-            value = getattr(self, knob)
+            value = getattr(self, setting)
             if isinstance(value, bool) or int(value) != value or value < low:
-                raise ValueError(f"{self.name}: {knob} must be an integer >= {low}, got {value!r}")
-        for knob in ("tau", "key_temperature"):
-            if not float(getattr(self, knob)) > 0:
-                raise ValueError(f"{self.name}: {knob} must be > 0, got {getattr(self, knob)!r}")
+                raise ValueError(f"{self.name}: {setting} must be an integer >= {low}, got {value!r}")
+        for setting in ("tau", "key_temperature"):
+            if not float(getattr(self, setting)) > 0:
+                raise ValueError(f"{self.name}: {setting} must be > 0, got {getattr(self, setting)!r}")
         object.__setattr__(self, "score_layers",
                            layer_tuple(self.score_layers, self.name, "score_layers"))
         try:  # the stages' settings validate their own knobs
