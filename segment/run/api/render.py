@@ -15,7 +15,8 @@ import cv2
 import numpy as np
 from PIL import Image
 
-from segment.core.masks import MethodOutput, to_masks_and_labels
+from segment.core.hierarchy import Hierarchy
+from segment.core.masks import MethodOutput, labels_at, to_masks_and_labels
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,12 @@ class Segmentation:
         foreground: ``(K,)`` bool, region ``k`` is foreground; with ``labels``.
         escape: the escape probability of every region of the method's token partition
             (``method=cuts``), else ``None``.
+        hierarchy: the image's :class:`segment.core.hierarchy.Hierarchy` (methods that give
+            every level: ``cuts``), else ``None``.
+        leaves: ``(H, W)`` int32 with ``hierarchy``: every pixel's leaf (the finest level),
+            upsampled from the method's grid by the same rule as ``labels``
+            (``label_upsampling``); the level at ``t`` is
+            ``hierarchy.leaf_labels_at(t)[leaves]``, so the levels nest exactly.
     """
 
     heatmap: np.ndarray
@@ -79,6 +86,8 @@ class Segmentation:
     labels: np.ndarray | None = None
     foreground: np.ndarray | None = None
     escape: list[float] | None = None
+    hierarchy: Hierarchy | None = None
+    leaves: np.ndarray | None = None
 
     @property
     def size(self) -> tuple[int, int]:
@@ -94,7 +103,8 @@ def postprocess(out: MethodOutput, index: int, size: tuple[int, int],
     upsampled by ``label_upsampling``: ``smooth`` (:func:`segment.core.masks.smooth_labels_at`: the argmax
     of the regions' bilinearly upsampled one-hot maps), so region boundaries and the mask
     they bound do not step every ``H / h`` pixels on photos larger than the backbone
-    input, or ``nearest`` (``segment-eval``'s rule at the label resolution).
+    input, or ``nearest`` (``segment-eval``'s rule at the label resolution). A method's
+    leaf map (``MethodOutput.leaves``) reaches the image size by the same rule.
     """
     one = MethodOutput(
         heatmap=out.heatmap[index : index + 1].float().cpu(),
@@ -107,8 +117,13 @@ def postprocess(out: MethodOutput, index: int, size: tuple[int, int],
         labels = lab[0].int().numpy()
         fg = one.foreground[0].bool().numpy()
     escape = None if out.escape is None else [round(float(e), 6) for e in out.escape[index]]
+    tree = leaves = None
+    if out.hierarchy is not None:
+        tree = out.hierarchy[index]
+        leaves = labels_at(out.leaves[index : index + 1].cpu(), size, label_upsampling)
+        leaves = leaves[0].int().numpy()
     return Segmentation(heatmap=r[0].numpy(), mask=mask[0].numpy(), labels=labels, foreground=fg,
-                        escape=escape)
+                        escape=escape, hierarchy=tree, leaves=leaves)
 
 
 def palette(k: int) -> np.ndarray:
