@@ -5,9 +5,12 @@ of ``tests/test_golden_tiny.py`` (no shared assets)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from conftest import segment_in_process
 from test_golden import EXAMPLES
@@ -121,17 +124,36 @@ def test_segment_writes_the_hierarchy_and_it_round_trips(tmp_path, results):
             assert torch.equal(getattr(tree, key), getattr(res.hierarchy, key))
         for t in _thresholds(tree):
             assert np.array_equal(hierarchy_files.labels_at(path, t), res.labels_at(t))
-        mask = np.asarray(__import__("PIL.Image").Image.open(out / "masks" / f"{name}.png")) > 0
+        mask = np.asarray(Image.open(out / "masks" / f"{name}.png")) > 0
         size = np.bincount(leaves.ravel(), minlength=tree.num_leaves)
         fg = np.bincount(leaves.ravel(), weights=mask.ravel(), minlength=tree.num_leaves)
         assert np.allclose(share[size > 0], (fg / np.maximum(size, 1))[size > 0])
         # the default level's mask, rebuilt by region majority, is the written one nearly
         import segment
 
-        rebuilt = hierarchy_files.mask_at(path, segment.create_method("cuts").escape)
+        escape = segment.create_method("cuts").escape
+        rebuilt = hierarchy_files.mask_at(path, escape)
         assert (rebuilt == mask).mean() > 0.95
+        # the record: each label id's token region's height and escape, index-aligned
+        rec = json.loads((out / "records" / f"{name}.json").read_text())
+        labels = np.asarray(Image.open(out / "labels" / f"{name}.png")).astype(np.int64)
+        assert np.array_equal(labels, res.labels)
+        assert len(rec["region_height"]) == len(rec["region_escape"]) == labels.max() + 1
+        lev = tree.level(escape)
+        region = tree.leaf_labels_at(escape).numpy()[leaves]
+        for k in range(labels.max() + 1):
+            own = region[labels == k]
+            if not own.size:
+                assert rec["region_height"][k] is None
+                continue
+            r = np.bincount(own).argmax()
+            assert rec["region_height"][k] == round(float(lev.height[r]), 6) < escape
+            assert rec["region_escape"][k] == round(float(lev.escape[r]), 6)
+        assert len(set(rec["region_escape"])) > 1
     # a method without a tree writes no hierarchy/ (and removes an old one on a redo)
     assert segment_in_process(f"output={out}", "model=vit_tiny_random", "method=regions",
                               f"model.checkpoint={WEIGHTS}", "device=cpu",
                               "progress=false") == 0
     assert not any((out / "hierarchy").glob("*.npz"))
+    rec = json.loads((out / "records" / f"{NAMES[0]}.json").read_text())
+    assert rec["region_height"] is None and rec["region_escape"] is None

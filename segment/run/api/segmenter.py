@@ -204,6 +204,7 @@ class Result:
             nest exactly; the default level's ``labels`` are upsampled on their own and split
             into connected components, so ``labels_at(escape)`` holds the token regions
             before the components and may differ from ``labels`` on boundary pixels.
+        level: with ``hierarchy``, the threshold of the level ``labels`` are (``escape``).
     """
 
     mask: np.ndarray
@@ -215,6 +216,7 @@ class Result:
     escape: list[float] | None = None
     hierarchy: Hierarchy | None = None
     leaves: np.ndarray | None = None
+    level: float | None = None
 
     @property
     def size(self) -> tuple[int, int]:
@@ -231,6 +233,7 @@ class Result:
             escape=seg.escape,
             hierarchy=seg.hierarchy,
             leaves=seg.leaves,
+            level=seg.level,
             **kwargs,
         )
 
@@ -239,7 +242,7 @@ class Result:
         return Segmentation(heatmap=self.heatmap, mask=self.mask,
                             labels=None if self.labels is None else self.labels.astype(np.int32, copy=False),
                             foreground=self.foreground, escape=self.escape,
-                            hierarchy=self.hierarchy, leaves=self.leaves)
+                            hierarchy=self.hierarchy, leaves=self.leaves, level=self.level)
 
     def _tree(self) -> tuple[Hierarchy, np.ndarray]:
         if self.hierarchy is None or self.leaves is None:
@@ -541,7 +544,8 @@ class Segmenter:
         """Image ``index`` of a batch at its size ``(H, W)``: protocol §3 (bilinear
         upsampling, min-max, threshold at the mean; union of foreground regions), the
         labels upsampled by ``label_upsampling``."""
-        return postprocess(out, index, size, label_upsampling=self.label_upsampling)
+        return postprocess(out, index, size, label_upsampling=self.label_upsampling,
+                           level=self.method.default_level)
 
     # the API
 

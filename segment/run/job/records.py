@@ -128,6 +128,11 @@ class ImageRecord:
             (``method=cuts``: the escape cuts, before pixel refinement splits them into
             connected pieces), else
             ``None``.
+        region_height: per label id of ``labels/`` (index-aligned with the ids), the height
+            of the split that made its token region (it exists for the thresholds above it;
+            a connected component inherits its region's value), for methods that give a
+            hierarchy (``Segmentation.region_levels``), else ``None``.
+        region_escape: likewise, its token region's escape probability on the whole chain.
         source_mode: Pillow mode of the file.
         notes: non-fatal remarks from reading.
         seconds: time spent post-processing and writing.
@@ -146,6 +151,8 @@ class ImageRecord:
     mask_fraction: float
     num_regions: int | None = None
     escape: list[float] | None = None
+    region_height: list[float | None] | None = None
+    region_escape: list[float | None] | None = None
     source_mode: str = ""
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -249,6 +256,9 @@ def write_image(
         escape=seg.escape,
         **record_fields,
     )
+    levels = seg.region_levels()
+    if levels is not None:
+        rec.region_height, rec.region_escape = levels
     # only file-system calls from here on: all of the image's files, or none of them
     try:
         # an old record must not vouch for files that are about to be replaced
