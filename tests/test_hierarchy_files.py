@@ -125,6 +125,9 @@ def test_segment_writes_the_hierarchy_and_it_round_trips(tmp_path, results):
         for t in _thresholds(tree):
             assert np.array_equal(hierarchy_files.labels_at(path, t), res.labels_at(t))
         mask = np.asarray(Image.open(out / "masks" / f"{name}.png")) > 0
+        # the same arrays give the same bytes (no time stamps: tests/test_golden.py)
+        assert hierarchy_files.encode_hierarchy(res.hierarchy, res.leaves, mask) \
+            == path.read_bytes()
         size = np.bincount(leaves.ravel(), minlength=tree.num_leaves)
         fg = np.bincount(leaves.ravel(), weights=mask.ravel(), minlength=tree.num_leaves)
         assert np.allclose(share[size > 0], (fg / np.maximum(size, 1))[size > 0])
