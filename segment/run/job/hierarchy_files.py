@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import io
 import os
-import zipfile
 
 import numpy as np
 import torch
@@ -54,22 +53,11 @@ def encode_hierarchy(tree: Hierarchy, leaves: np.ndarray, mask: np.ndarray) -> b
     fg = np.bincount(flat, weights=mask.reshape(-1).astype(np.float64), minlength=num)
     with np.errstate(invalid="ignore", divide="ignore"):
         share = np.where(size > 0, fg / np.maximum(size, 1), np.nan)
-    return _npz({"leaves": leaves.astype(np.uint16 if num <= 65536 else np.int32),
-                 "children": tree.children.numpy(), "height": tree.height.numpy(),
-                 "ncut": tree.ncut.numpy(), "escape": tree.escape.numpy(),
-                 "leaf_foreground": share})
-
-
-def _npz(arrays: dict[str, np.ndarray]) -> bytes:
-    """``np.savez_compressed``'s file with a fixed time stamp on every member (numpy stamps
-    the current time), so the same arrays give the same bytes (tests/test_golden.py)."""
     buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-        for key, value in arrays.items():
-            info = zipfile.ZipInfo(f"{key}.npy", date_time=(1980, 1, 1, 0, 0, 0))
-            info.compress_type = zipfile.ZIP_DEFLATED
-            with zf.open(info, "w", force_zip64=True) as f:
-                np.lib.format.write_array(f, np.asanyarray(value), allow_pickle=False)
+    np.savez_compressed(
+        buf, leaves=leaves.astype(np.uint16 if num <= 65536 else np.int32),
+        children=tree.children.numpy(), height=tree.height.numpy(), ncut=tree.ncut.numpy(),
+        escape=tree.escape.numpy(), leaf_foreground=share)
     return buf.getvalue()
 
 
