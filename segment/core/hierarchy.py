@@ -289,6 +289,21 @@ class Hierarchy:
                              f"[{int(leaf_pixels.min())}, {int(leaf_pixels.max())}]")
         return self.leaf_labels_at(t).to(leaf_pixels.device)[leaf_pixels.long()]
 
+    def ancestors(self, leaf: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The nodes from the root down to ``leaf`` (every region containing the leaf at some
+        threshold, coarse to fine) with the heights each lives between.
+
+        Returns:
+            ``(nodes (D,) int64, height (D,) float64, until (D,) float64)`` (CPU): node
+            ``nodes[j]`` is a region at the thresholds ``height[j] < t <= until[j]``
+            (``height`` 0 for the root, ``until`` inf for the leaf).
+        """
+        if not 0 <= int(leaf) < self.num_leaves:
+            raise ValueError(f"leaf must lie in [0, {self.num_leaves}), got {leaf}")
+        path = self._path[int(leaf)]
+        nodes = path[: int((path != int(leaf)).sum()) + 1]
+        return nodes, self._born[nodes], self._until[nodes]
+
     def members(self) -> Tensor:
         """``(2L-1, L)`` bool: the leaves under every node (leaves, then splits; CPU)."""
         num = self.num_leaves

@@ -15,7 +15,8 @@ import cv2
 import numpy as np
 from PIL import Image
 
-from segment.core.masks import MethodOutput, to_masks_and_labels
+from segment.core.hierarchy import Hierarchy
+from segment.core.masks import MethodOutput, labels_at, to_masks_and_labels
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,14 @@ class Segmentation:
         foreground: ``(K,)`` bool, region ``k`` is foreground; with ``labels``.
         escape: the escape probability of every region of the method's token partition
             (``method=cuts``), else ``None``.
+        hierarchy: the image's :class:`segment.core.hierarchy.Hierarchy` (methods that give
+            every level: ``cuts``), else ``None``.
+        leaves: ``(H, W)`` int32 with ``hierarchy``: every pixel's leaf (the finest level),
+            upsampled from the method's grid by the same rule as ``labels``
+            (``label_upsampling``); the level at ``t`` is
+            ``hierarchy.leaf_labels_at(t)[leaves]``, so the levels nest exactly.
+        level: with ``hierarchy``, the threshold of the level ``labels`` are
+            (``Method.default_level``; ``None`` when not known).
     """
 
     heatmap: np.ndarray
@@ -79,6 +88,30 @@ class Segmentation:
     labels: np.ndarray | None = None
     foreground: np.ndarray | None = None
     escape: list[float] | None = None
+    hierarchy: Hierarchy | None = None
+    leaves: np.ndarray | None = None
+    level: float | None = None
+
+    def region_levels(self) -> tuple[list[float | None], list[float | None]] | None:
+        """Per label id of ``labels`` (``0 .. max``), the ``(height, escape)`` of its token
+        region at ``level`` (the region of ``hierarchy.level(level)`` holding most of its
+        pixels: a connected component inherits its region's values; ``None`` for an id no
+        pixel has): the region exists for the thresholds above ``height``, and the
+        stationary walk leaves it in one step with probability ``escape``. ``None`` without
+        a hierarchy or a level."""
+        if self.hierarchy is None or self.leaves is None or self.level is None \
+                or self.labels is None:
+            return None
+        lev = self.hierarchy.level(float(self.level))
+        region = self.hierarchy.leaf_labels_at(float(self.level)).numpy()[self.leaves].ravel()
+        k, r = int(self.labels.max()) + 1, len(lev.nodes)
+        pairs = np.bincount(self.labels.ravel().astype(np.int64) * r + region,
+                            minlength=k * r).reshape(k, r)
+        best = pairs.argmax(1)
+        present = pairs.sum(1) > 0
+        height = [round(float(lev.height[b]), 6) if p else None for b, p in zip(best, present)]
+        escape = [round(float(lev.escape[b]), 6) if p else None for b, p in zip(best, present)]
+        return height, escape
 
     @property
     def size(self) -> tuple[int, int]:
@@ -86,7 +119,7 @@ class Segmentation:
 
 
 def postprocess(out: MethodOutput, index: int, size: tuple[int, int],
-                label_upsampling: str = "smooth") -> Segmentation:
+                label_upsampling: str = "smooth", level: float | None = None) -> Segmentation:
     """Image ``index`` of a batch output at ``size = (H, W)`` with the protocol's rule.
 
     Uses :func:`segment.core.masks.to_masks_and_labels`: bilinear upsampling, min-max, threshold
@@ -94,7 +127,9 @@ def postprocess(out: MethodOutput, index: int, size: tuple[int, int],
     upsampled by ``label_upsampling``: ``smooth`` (:func:`segment.core.masks.smooth_labels_at`: the argmax
     of the regions' bilinearly upsampled one-hot maps), so region boundaries and the mask
     they bound do not step every ``H / h`` pixels on photos larger than the backbone
-    input, or ``nearest`` (``segment-eval``'s rule at the label resolution).
+    input, or ``nearest`` (``segment-eval``'s rule at the label resolution). A method's
+    leaf map (``MethodOutput.leaves``) reaches the image size by the same rule; ``level``
+    is the threshold of the default level of a method's hierarchy (``Method.default_level``).
     """
     one = MethodOutput(
         heatmap=out.heatmap[index : index + 1].float().cpu(),
@@ -107,8 +142,14 @@ def postprocess(out: MethodOutput, index: int, size: tuple[int, int],
         labels = lab[0].int().numpy()
         fg = one.foreground[0].bool().numpy()
     escape = None if out.escape is None else [round(float(e), 6) for e in out.escape[index]]
+    tree = leaves = None
+    if out.hierarchy is not None:
+        tree = out.hierarchy[index]
+        leaves = labels_at(out.leaves[index : index + 1].cpu(), size, label_upsampling)
+        leaves = leaves[0].int().numpy()
     return Segmentation(heatmap=r[0].numpy(), mask=mask[0].numpy(), labels=labels, foreground=fg,
-                        escape=escape)
+                        escape=escape, hierarchy=tree, leaves=leaves,
+                        level=None if tree is None or level is None else float(level))
 
 
 def palette(k: int) -> np.ndarray:

@@ -34,6 +34,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from PIL import Image
 from torch import Tensor
 
+from segment.core.hierarchy import Hierarchy
 from segment.core.masks import MethodOutput, label_upsampling_setting
 from segment.core.record import AttentionRecord, Capture
 from segment.methods.base import Method
@@ -51,7 +52,7 @@ from segment.run.io import ImageReadError, read_image, to_rgb
 from segment.run.api.registry import method_config
 from segment.run.api.render import RenderOptions, Segmentation, overlay, postprocess
 
-__all__ = ["Batch", "ImageReadError", "Result", "Segmenter", "compose_config", "config_names", "load", "show",
+__all__ = ["Batch", "ImageReadError", "Region", "Result", "Segmenter", "compose_config", "config_names", "load", "show",
            "suggest", "to_image"]
 
 ImageLike = Union[Image.Image, np.ndarray, Tensor, str, os.PathLike]
@@ -159,6 +160,28 @@ def _override_path(cfg: DictConfig, key: str, known: list[str], model: str,
 # --------------------------------------------------------------------------- results
 
 
+@dataclass(frozen=True)
+class Region:
+    """One region of an image's hierarchy (:meth:`Result.regions_at`).
+
+    Attributes:
+        mask: ``(H, W)`` bool its pixels (the union of its leaves').
+        node: its node in :class:`segment.core.hierarchy.Hierarchy` (leaves ``0 .. L-1``,
+            then the splits).
+        height: the height of the split that made it (``0`` for the whole image): it exists
+            at the thresholds ``t`` with ``height < t <= until``.
+        until: the height of its own split (``inf`` for a leaf).
+        escape: the probability, in ``[0, 1]``, that the stationary walk on the image's
+            whole chain leaves it in one step (not a threshold: ``height`` is).
+    """
+
+    mask: np.ndarray
+    node: int
+    height: float
+    until: float
+    escape: float
+
+
 @dataclass
 class Result:
     """One image's segmentation at its own size.
@@ -173,6 +196,15 @@ class Result:
         image: the RGB image that was segmented (what :func:`show` draws on).
         escape: the escape probability of every region of the method's token partition
             (``method=cuts``), else ``None``.
+        hierarchy: the image's :class:`segment.core.hierarchy.Hierarchy`, every level of the
+            escape cuts (``method=cuts``), else ``None``.
+        leaves: ``(H, W)`` int32 with ``hierarchy``: every pixel's leaf (the finest level),
+            upsampled to the image's size by ``label_upsampling`` as ``labels`` are. The
+            levels (:meth:`labels_at`, :meth:`regions_at`) are unions of its leaves, so they
+            nest exactly; the default level's ``labels`` are upsampled on their own and split
+            into connected components, so ``labels_at(escape)`` holds the token regions
+            before the components and may differ from ``labels`` on boundary pixels.
+        level: with ``hierarchy``, the threshold of the level ``labels`` are (``escape``).
     """
 
     mask: np.ndarray
@@ -182,6 +214,9 @@ class Result:
     record: AttentionRecord | None = None
     image: Image.Image | None = None
     escape: list[float] | None = None
+    hierarchy: Hierarchy | None = None
+    leaves: np.ndarray | None = None
+    level: float | None = None
 
     @property
     def size(self) -> tuple[int, int]:
@@ -196,6 +231,9 @@ class Result:
             labels=None if seg.labels is None else seg.labels.astype(np.int32, copy=False),
             foreground=None if seg.foreground is None else seg.foreground.astype(bool, copy=False),
             escape=seg.escape,
+            hierarchy=seg.hierarchy,
+            leaves=seg.leaves,
+            level=seg.level,
             **kwargs,
         )
 
@@ -203,7 +241,51 @@ class Result:
         """Back to the command's :class:`~segment.run.api.render.Segmentation` (for the writers)."""
         return Segmentation(heatmap=self.heatmap, mask=self.mask,
                             labels=None if self.labels is None else self.labels.astype(np.int32, copy=False),
-                            foreground=self.foreground, escape=self.escape)
+                            foreground=self.foreground, escape=self.escape,
+                            hierarchy=self.hierarchy, leaves=self.leaves, level=self.level)
+
+    def _tree(self) -> tuple[Hierarchy, np.ndarray]:
+        if self.hierarchy is None or self.leaves is None:
+            raise ValueError("this result has no hierarchy: its method gives one level "
+                             "(method=cuts gives every level)")
+        return self.hierarchy, self.leaves
+
+    def labels_at(self, t: float) -> np.ndarray:
+        """``(H, W)`` int32 the regions at threshold ``t``: the escape cuts keeping the splits
+        of height below ``t`` (small ``t``: coarse; ``t`` above every height: the leaves),
+        each region the union of its leaves' pixels, numbered as
+        :meth:`segment.core.hierarchy.Hierarchy.labels_at` numbers them (a region with no
+        pixel at this size leaves its id unused). For ``s < t`` every region at ``s`` is a
+        union of regions at ``t``.
+
+        Raises:
+            ValueError: the result has no hierarchy.
+        """
+        tree, leaves = self._tree()
+        return tree.leaf_labels_at(float(t)).numpy().astype(np.int32)[leaves]
+
+    def regions_at(self, x: int, y: int) -> list[Region]:
+        """The nested regions that contain pixel ``(x, y)`` (column ``x``, row ``y``), from
+        the coarsest (the whole image) to the finest (the pixel's leaf): a point prompt
+        whose answer holds every granularity. Each :class:`Region` exists for the
+        thresholds ``height < t <= until`` (a node whose split is as high as its parent's
+        exists at no threshold and is left out); each is the union of its leaves' pixels,
+        so each mask contains the next.
+
+        Raises:
+            ValueError: the result has no hierarchy, or ``(x, y)`` lies outside the image.
+        """
+        tree, leaves = self._tree()
+        h, w = leaves.shape
+        if not (0 <= int(x) < w and 0 <= int(y) < h):
+            raise ValueError(f"pixel (x={x}, y={y}) lies outside the {w}x{h} image")
+        nodes, born, until = tree.ancestors(int(leaves[int(y), int(x)]))
+        live = born < until  # a split as high as its parent's makes no level of its own
+        nodes, born, until = nodes[live], born[live], until[live]
+        under = tree.members()[nodes].numpy()  # (D, L) leaves under each node
+        return [Region(mask=under[j][leaves], node=int(n), height=float(born[j]),
+                       until=float(until[j]), escape=float(tree.escape[n]))
+                for j, n in enumerate(nodes.tolist())]
 
     def show(self, alpha: float = 0.6) -> Image.Image:
         """The overlay as a PIL image (shown inline by Jupyter); see :func:`show`."""
@@ -454,13 +536,16 @@ class Segmenter:
             foreground=None if out.foreground is None else out.foreground.detach().cpu(),
             converged=None if out.converged is None else out.converged.detach().cpu(),
             escape=None if out.escape is None else [e.detach().cpu() for e in out.escape],
+            hierarchy=out.hierarchy,
+            leaves=None if out.leaves is None else out.leaves.detach().cpu(),
         )
 
     def postprocess(self, out: MethodOutput, index: int, size: tuple[int, int]) -> Segmentation:
         """Image ``index`` of a batch at its size ``(H, W)``: protocol §3 (bilinear
         upsampling, min-max, threshold at the mean; union of foreground regions), the
         labels upsampled by ``label_upsampling``."""
-        return postprocess(out, index, size, label_upsampling=self.label_upsampling)
+        return postprocess(out, index, size, label_upsampling=self.label_upsampling,
+                           level=self.method.default_level)
 
     # the API
 

@@ -9,6 +9,9 @@ Layout of an output folder (``<name>`` keeps the image's sub-folders, see
                            palette = the colour map (viewers show colours, R is recoverable)
     overlays/<name>.jpg    the image with the mask (or the coloured regions) drawn on it
     labels/<name>.png      region ids as an indexed PNG (multi-region methods only)
+    hierarchy/<name>.npz   every level of the regions: the leaf map at the image size and the
+                           merge table (methods that give a hierarchy only: cuts;
+                           :mod:`segment.run.job.hierarchy_files` reads it)
     gallery/<kind>/<name>.jpg   small thumbnails used by index.html
     records/<name>.json    the per-image record: written last, it marks the image as done
     annotations.json       COCO: images, categories, one RLE annotation per mask / region
@@ -47,6 +50,7 @@ from segment.run.api.render import (
     thumbnail,
 )
 from segment.run.job.coco import coco_annotations
+from segment.run.job.hierarchy_files import encode_hierarchy
 from segment.utils import atomic_write_bytes
 
 RECORD_VERSION = 1
@@ -55,7 +59,7 @@ RECORD_VERSION = 1
 def rel_output(kind: str, name: str) -> str:
     """Relative path (``/``-separated) of one output of image ``name``.
 
-    ``kind``: ``mask``, ``heatmap``, ``overlay``, ``labels``, ``record`` or
+    ``kind``: ``mask``, ``heatmap``, ``overlay``, ``labels``, ``hierarchy``, ``record`` or
     ``thumb/<column>`` (``thumb/image``, ``thumb/mask``...).
     """
     if kind.startswith("thumb/"):
@@ -66,6 +70,7 @@ def rel_output(kind: str, name: str) -> str:
             "heatmap": ("heatmaps", ".png"),
             "overlay": ("overlays", ".jpg"),
             "labels": ("labels", ".png"),
+            "hierarchy": ("hierarchy", ".npz"),
             "record": ("records", ".json"),
         }[kind]
     except KeyError:
@@ -123,6 +128,11 @@ class ImageRecord:
             (``method=cuts``: the escape cuts, before pixel refinement splits them into
             connected pieces), else
             ``None``.
+        region_height: per label id of ``labels/`` (index-aligned with the ids), the height
+            of the split that made its token region (it exists for the thresholds above it;
+            a connected component inherits its region's value), for methods that give a
+            hierarchy (``Segmentation.region_levels``), else ``None``.
+        region_escape: likewise, its token region's escape probability on the whole chain.
         source_mode: Pillow mode of the file.
         notes: non-fatal remarks from reading.
         seconds: time spent post-processing and writing.
@@ -141,6 +151,8 @@ class ImageRecord:
     mask_fraction: float
     num_regions: int | None = None
     escape: list[float] | None = None
+    region_height: list[float | None] | None = None
+    region_escape: list[float | None] | None = None
     source_mode: str = ""
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -153,7 +165,7 @@ class ImageRecord:
 
 def encode_files(image: np.ndarray, seg: Segmentation, opts: RenderOptions) -> dict[str, bytes]:
     """Every file of one image, encoded and not yet written: output kind (``mask``,
-    ``heatmap``, ``overlay``, ``labels``, ``thumb/<column>``) -> bytes.
+    ``heatmap``, ``overlay``, ``labels``, ``hierarchy``, ``thumb/<column>``) -> bytes.
 
     Args:
         image: ``(H, W, 3)`` uint8 RGB at original resolution.
@@ -186,6 +198,8 @@ def encode_files(image: np.ndarray, seg: Segmentation, opts: RenderOptions) -> d
         small = cv2.resize(seg.labels.astype(np.uint8 if k <= 256 else np.float32),
                            thumbs["mask"].shape[::-1], interpolation=cv2.INTER_NEAREST)
         thumbs["labels"] = region_colors(small.astype(np.int32, copy=False), k)
+    if seg.hierarchy is not None:
+        files["hierarchy"] = encode_hierarchy(seg.hierarchy, seg.leaves, seg.mask)
     for col, small in thumbs.items():  # encoded before anything is written (write_image)
         files[f"thumb/{col}"] = _encode(".jpg", small, thumb_jpg)
     return files
@@ -242,6 +256,9 @@ def write_image(
         escape=seg.escape,
         **record_fields,
     )
+    levels = seg.region_levels()
+    if levels is not None:
+        rec.region_height, rec.region_escape = levels
     # only file-system calls from here on: all of the image's files, or none of them
     try:
         # an old record must not vouch for files that are about to be replaced
@@ -250,14 +267,14 @@ def write_image(
             write_file(root / outputs[kind], data, opts.fsync)
         # files of a kind this method does not make (labels/ of a region method, when a heatmap
         # method redoes the image into the same folder) would be taken for this run's
-        for kind in ("labels", "thumb/labels"):
+        for kind in ("labels", "thumb/labels", "hierarchy"):
             if kind not in outputs:
                 _unlink(root / rel_output(kind, name))
         rec.seconds = round(time.perf_counter() - t0, 4)
         write_record(root, rec, opts.fsync)
     except BaseException as e:
         # no partial set (new files, or old ones no record vouches for): a resume redoes it
-        for kind in {*outputs, "labels", "thumb/labels"}:
+        for kind in {*outputs, "labels", "thumb/labels", "hierarchy"}:
             with contextlib.suppress(OSError):
                 _unlink(root / rel_output(kind, name))
         if isinstance(e, OSError) and not isinstance(e, OutputWriteError):
