@@ -171,9 +171,10 @@ class EscapeCuts(FusesHeads):
         Args:
             record: the attention record (:meth:`capture`).
             eigen: the cuts' eigensolver (:func:`segment.backends.second_eigenvectors`:
-                ``"scipy"`` or ``"torch"``); ``None``: the device's. Not a setting: both give
-                the same vectors up to rounding (``python -m segment.eval.bench regions
-                --eigen torch scipy`` times them).
+                ``"krylov"``, ``"scipy"`` or ``"torch"``); ``None``: the device's (Krylov on
+                the CPU, torch's ``eigh`` elsewhere). Not a setting: they order the tokens
+                alike up to near-ties (``python -m segment.eval.bench cutcheck``;
+                ``bench regions --eigen ...`` times them in the same rounds).
         """
         from functools import partial
 
@@ -181,13 +182,13 @@ class EscapeCuts(FusesHeads):
         from segment.core import cuts
 
         eigvec = partial(backends.second_eigenvectors, backend=eigen)
+        tau = float(self.escape)
         w_aff = self.cut_affinity(record)
         # a level that would not fit in memory is cut in chunks; one image that does not
         # fit is refused (MemoryError naming batch_size)
         trees = cuts.cut_tree(w_aff, min_tokens=self.min_tokens(w_aff.shape[-1]),
-                              tau=float(self.escape), eigvec=eigvec,
+                              tau=tau, eigvec=eigvec,
                               memory_limit=backends.memory_budget(w_aff.device))
-        tau = float(self.escape)
         # the level at escape: recursive_ncut(W, escape)'s partition, numbering included
         part_labels = torch.stack([t.labels_at(tau) for t in trees])  # (B, n)
         counts = [t.count_at(tau) for t in trees]
