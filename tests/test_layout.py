@@ -19,6 +19,15 @@ LIBRARIES = ("sklearn", "skimage", "kornia", "scipy", "timm", "diffusers", "tran
              "hydra", "omegaconf", "PIL", "cv2")
 
 
+def _from_name(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module of ``from X import ...`` in ``package`` (relative ``X`` resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def imports_of(source: str, module: str) -> list[tuple[int, str]]:
     """Every module a source imports, at any depth (inside functions, classes, ``if``
     blocks), relative imports resolved against ``module``'s package: ``(line, name)``."""
@@ -28,12 +37,7 @@ def imports_of(source: str, module: str) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                name = ".".join(base + ([node.module] if node.module else []))
-            else:
-                name = node.module or ""
+            name = _from_name(node, package)
             found.append((node.lineno, name))
             if name == "segment" or name.startswith("segment."):  # `from segment import x`: x too
                 found += [(node.lineno, f"{name}.{alias.name}") for alias in node.names]
@@ -185,12 +189,7 @@ def runtime_imports(source: str, module: str, is_package: bool = False) -> list[
         if isinstance(node, ast.Import):
             found.extend((node.lineno, a.name) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                name = ".".join(base + ([node.module] if node.module else []))
-            else:
-                name = node.module or ""
+            name = _from_name(node, package)
             found.extend((node.lineno, f"{name}.{a.name}") for a in node.names)
         visit(node)
 
