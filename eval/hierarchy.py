@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+from segment.eval.figures import write_figure
 from segment.eval.metrics import (
     MulticlassState,
     RegionState,
@@ -70,7 +71,7 @@ from segment.eval.metrics import (
 
 from segment.eval.ucm2 import UCM, read_ucm2  # noqa: F401  (UCM: re-exported for callers)
 
-from segment.utils import EXIT_BAD_INPUT, atomic_path, atomic_write_json, atomic_write_text
+from segment.utils import EXIT_BAD_INPUT, atomic_write_json, atomic_write_text
 
 BENCH_NTHRESH = 99
 BENCH_THRESHOLDS = np.linspace(1.0 / (BENCH_NTHRESH + 1), 1.0 - 1.0 / (BENCH_NTHRESH + 1), BENCH_NTHRESH)
@@ -678,11 +679,7 @@ class HierarchyResults:
         if title:
             fig.suptitle(title, fontsize=10)
         fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=100)
-        plt.close(fig)
-        with atomic_path(path) as tmp:
-            tmp.write_bytes(buf.getvalue())
+        write_figure(path, fig, dpi=100)
 
     def write(self, out: Path, title: str = "") -> None:
         """``hierarchy.{json,csv,md}``, ``curves.csv`` and ``curves.png`` in ``out``."""

@@ -56,13 +56,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
+from segment.eval.figures import write_figure
 from segment.eval.metrics import Bootstrap, resample_counts
 from segment.utils import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
-    atomic_path,
     atomic_write_json,
     atomic_write_text,
 )
@@ -418,11 +418,7 @@ def plot(summary: Summary, path: Path, title: str = "") -> None:
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(buf.getvalue())
+    write_figure(path, fig, dpi=110)
 
 
 # ---------------------------------------------------------------------------------------
