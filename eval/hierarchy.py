@@ -64,6 +64,7 @@ from segment.eval.metrics import (
     _np,
     hungarian_state,
     median_count,
+    percentile_interval,
     region_state_of_tables,
     resample_counts,
     total,
@@ -431,8 +432,7 @@ def _pick(curve: np.ndarray, lower: bool) -> np.ndarray:
 
 
 def _percentiles(x: np.ndarray, level: float = 0.95) -> list[float]:
-    tail = 100.0 * (1.0 - level) / 2.0
-    return [float(v) for v in np.percentile(x, [tail, 100.0 - tail])]
+    return list(percentile_interval(x, level))
 
 
 def _t_range(picked: np.ndarray) -> list[float]:

@@ -1144,9 +1144,14 @@ class Bootstrap:
         return self._percentiles(self.draws[method][score] - self.draws[reference][score])
 
     def _percentiles(self, x: np.ndarray) -> tuple[float, float]:
-        tail = 100.0 * (1.0 - self.level) / 2.0
-        lo, hi = np.percentile(x, [tail, 100.0 - tail])
-        return float(lo), float(hi)
+        return percentile_interval(x, self.level)
+
+
+def percentile_interval(x: np.ndarray, level: float = 0.95) -> tuple[float, float]:
+    """The central ``level`` percentile interval of bootstrap draws ``x``: ``(low, high)``."""
+    tail = 100.0 * (1.0 - level) / 2.0
+    lo, hi = np.percentile(x, [tail, 100.0 - tail])
+    return float(lo), float(hi)
 
 
 def resample_counts(n: int, reps: int, seed: int = 0) -> np.ndarray:
