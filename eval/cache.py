@@ -137,7 +137,9 @@ def fingerprint(cfg: DictConfig, selection: Sequence[str] = ()) -> str:
     if isinstance(data, dict):
         data = {k: v for k, v in data.items() if k not in set(selection)}
     targets = [str(node.get("_target_", "")).rsplit(".", 1)[0] for node in (cfg.model, cfg.dataset)]
+    eigen = cfg.get("eigen")  # a chosen eigensolver may break near-ties otherwise: its own key
     return config_hash({
+        **({"eigen": eigen} if eigen is not None else {}),
         "model": model, "dataset": data, "mask_at": cfg.get("mask_at", "image"),
         "version": segment.__version__, "cache": CACHE_VERSION,
         "code": source_hash([*(t for t in targets if t), *_SCORING]),

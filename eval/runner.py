@@ -196,6 +196,7 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
     for s in specs:
         s.method = instantiate_method(s)
         s.key = method_key(s)
+    _check_eigen(cfg, specs)
     names = item_names(cfg, dataset)
     indices = list(range(len(names)))
 
@@ -225,6 +226,23 @@ def _run(cfg: DictConfig, ctx: dist.DistContext) -> int:
         log.info("scored %d images in %.1f s (%.2f images/s on rank 0)", len(todo), elapsed, len(todo) / max(elapsed, 1e-9))
     log.info("results in %s", out_dir)
     return EXIT_OK
+
+
+def _check_eigen(cfg: DictConfig, specs: Sequence[MethodSpec]) -> None:
+    """``eigen=``: one of the eigensolvers, and only where some method cuts (else it would
+    change nothing)."""
+    from segment.backends import EIGEN_BACKENDS
+
+    eigen = cfg.get("eigen")
+    if eigen is None:
+        return
+    if eigen not in EIGEN_BACKENDS:
+        raise ConfigError(f"eigen must be one of {', '.join(EIGEN_BACKENDS)} (or null: the"
+                          f" device's), got {eigen!r}")
+    if not any(s.method.takes_eigen for s in specs if s.method is not None):
+        raise ConfigError(f"eigen={eigen} has no effect: no method of this run cuts a chain"
+                          f" ({', '.join(s.label for s in specs)}); it sets method=cuts'"
+                          " eigensolver")
 
 
 def _read_cache(job: ScoreJob, names: Sequence[str], mine: Sequence[int]) -> list[int]:
@@ -370,7 +388,9 @@ def _score_batch(job: ScoreJob, backbone: Backbone, batch: list[Sample], idx: li
         outs = []
         for s in need:
             t_s = time.perf_counter()
-            outs.append(s.method(record))
+            eigen = job.cfg.get("eigen")
+            outs.append(s.method(record, eigen=eigen)  # type: ignore[call-arg]
+                        if eigen is not None and s.method.takes_eigen else s.method(record))
             timing.method_s[s.key] = timing.method_s.get(s.key, 0.0) + time.perf_counter() - t_s
         if dataset.task == "binary":  # all methods' maps of the batch scored together
             new_all = score_binary_many(outs, targets, job.mask_at, batch_originals(batch))

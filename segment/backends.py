@@ -64,7 +64,8 @@ _BACKENDS = ("skimage", "kornia")
 
 
 EigenBackend = Literal["scipy", "torch", "krylov"]
-_EIGEN = ("scipy", "torch", "krylov")
+EIGEN_BACKENDS = ("krylov", "torch", "scipy")
+_EIGEN = EIGEN_BACKENDS
 # "krylov": matrices of at most this many rows go to the device's dense solver, which is
 # faster there (eval/bench/regions.py --eigen scipy krylov; docs/benchmarks.md)
 KRYLOV_DENSE_UP_TO = 128

@@ -271,6 +271,9 @@ class Method(abc.ABC):
     # whether the output holds region labels (``MethodOutput.labels``), not only a heatmap
     gives_labels: ClassVar[bool] = False
     gives_hierarchy: ClassVar[bool] = False  # MethodOutput.hierarchy and .leaves (cuts)
+    # whether ``__call__`` takes ``eigen=`` (the eigensolver of its cuts,
+    # :func:`segment.backends.second_eigenvectors`; ``segment-eval eigen=...``)
+    takes_eigen: ClassVar[bool] = False
     # the backbone kinds (``Backbone.kind``) this method runs on; the others are refused
     # before the first batch (``segment.run.api.segmenter.check_method``)
     backbones: ClassVar[frozenset[str]] = frozenset({"vit", "dit"})

@@ -79,6 +79,7 @@ class EscapeCuts(FusesHeads):
     name: str = knob("cuts", "the method's name in tables, manifests and file records")
     gives_labels: ClassVar[bool] = True
     gives_hierarchy: ClassVar[bool] = True
+    takes_eigen: ClassVar[bool] = True
     layers: Sequence[int] | int | None = knob(
         (-1,), "the layers whose chains are averaged (and whose CLS attention scores); null ="
         " all")

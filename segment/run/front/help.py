@@ -71,7 +71,7 @@ _HELP = {
         ],
         settings="methods=[...]  include_default=true  device=auto  batch_size=8  num_workers=0  limit=N\n"
                  "  bootstrap=1000 (95% intervals; 0 = off)  mask_at=image|grid  cache=true  panels=4\n"
-                 "  progress=true  seed=0",
+                 "  progress=true  seed=0  eigen=null (the cuts' eigensolver: krylov|torch|scipy)",
     ),
 }
 
