@@ -277,6 +277,9 @@ def test_the_level_command_refuses_what_is_not_a_finished_run_with_a_tree(run, t
     assert "no run.json" in _one_line_error(capsys, 2, str(tmp_path), "--t", "0.5")
     (tmp_path / "run.json").write_text("{not json")
     assert "run.json unreadable" in _one_line_error(capsys, 2, str(tmp_path), "--t", "0.5")
+    for manifest in ('{"counts": {}}', '{"images": [1]}'):  # JSON, but not a run's manifest
+        (tmp_path / "run.json").write_text(manifest)
+        assert "run.json unreadable" in _one_line_error(capsys, 2, str(tmp_path), "--t", "0.5")
     for bad in ("x", "nan", "0", "-0.2", "2.5", "inf"):
         assert "t must" in _one_line_error(capsys, 2, str(run), "--t", bad)
     assert "--t" in _one_line_error(capsys, 2, str(run))

@@ -89,23 +89,23 @@ def run_images(run_dir: str | os.PathLike) -> tuple[list[str], dict]:
         raise ValueError(f"{root} is not a folder (give the output folder of a segment run)")
     try:
         man = json.loads((root / "run.json").read_text("utf-8"))
-        images = man["images"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        names = [im["name"] for im in man["images"] if im.get("status") in ("done", "resumed")]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         why = "no run.json" if not (root / "run.json").exists() else f"run.json unreadable ({e})"
         raise ValueError(f"{root} is not a finished segment run: {why}") from None
     if not (root / "hierarchy").is_dir():
         method = man.get("method", "?")
         raise ValueError(f"{root} has no hierarchy/: method {method} gives one level "
                          "(method=cuts writes every level)")
-    names = [im["name"] for im in images if im.get("status") in ("done", "resumed")]
     return names, man
 
 
 def write_level(run_dir: str | os.PathLike, t: float, *, progress: bool = True) -> LevelRun:
     """Write the labels and masks at threshold ``t`` of every image of a finished run, from
     its ``hierarchy/`` files, without the model: ``labels_t<t>/<name>.png`` (an indexed PNG
-    as ``labels/``: :func:`labels_at`'s ids) and ``masks_t<t>/<name>.png`` (0/255 as
-    ``masks/``: :func:`mask_at`), each written atomically with the run's ``render``
+    as ``labels/``: the ids of :func:`segment.run.job.hierarchy_files.labels_at`) and
+    ``masks_t<t>/<name>.png`` (0/255 as ``masks/``:
+    :func:`segment.run.job.hierarchy_files.mask_at`), each written atomically with the run's ``render``
     settings. An image whose file is missing or corrupt is skipped (with its reason) and the
     rest go on.
 
