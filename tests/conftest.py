@@ -4,6 +4,7 @@ clear reason when it is absent, so a user's checkout still passes."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -103,7 +104,8 @@ def segment_in_process(*args: str) -> int:
 
 def assert_results_equal_files(results: list, out: Path, names: list[str]) -> None:
     """The API's results equal the files ``segment`` wrote under ``out`` for ``names``:
-    masks, heatmaps (the PNG index is round(255 R)) and, where the method gives them, labels."""
+    masks, heatmaps (the PNG index is round(255 R)), where the method gives them, labels, and
+    the records' ``region_height`` and ``region_escape`` (``Result.region_height`` ...)."""
     for r, n in zip(results, names):
         m = np.asarray(Image.open(out / "masks" / f"{n}.png")) > 0
         np.testing.assert_array_equal(r.mask, m, err_msg=n)
@@ -111,3 +113,9 @@ def assert_results_equal_files(results: list, out: Path, names: list[str]) -> No
         np.testing.assert_array_equal(np.clip(np.rint(r.heatmap * 255), 0, 255).astype(np.uint8), h, err_msg=n)
         if r.labels is not None:
             np.testing.assert_array_equal(r.labels, np.asarray(Image.open(out / "labels" / f"{n}.png")), err_msg=n)
+        # each region's height and escape, index-aligned with the ids, as the record has them
+        from segment.run.job.coco import json_floats
+
+        rec = json.loads((out / "records" / f"{n}.json").read_text())
+        assert rec["region_height"] == json_floats(r.region_height), n
+        assert rec["region_escape"] == json_floats(r.region_escape), n

@@ -165,19 +165,27 @@ def _check(name: str, root: Path, summary: dict, tol: float, paths: tuple[Path, 
 
 
 def examples_summary(out: Path) -> dict:
-    """Per image: regions, their escape probabilities and areas (fractions of the image,
-    largest first), the mask's fraction and the heatmap's mean (0..1)."""
+    """Per image: regions, the escape probabilities of the token regions of the default level
+    (``method.escape`` of run.json's config, in the tree's order: what the cuts decided,
+    before the pixel refinement and the components; read from ``hierarchy/``) and the label
+    map's region areas (fractions of the image, largest first), the mask's fraction and the
+    heatmap's mean (0..1)."""
     import numpy as np
     from PIL import Image
 
+    from segment.run.job.hierarchy_files import load_hierarchy
+
+    level = float(json.loads((out / "run.json").read_text())["config"]["method"]["escape"])
     summary = {}
     for path in sorted((out / "records").glob("*.json")):
         rec = json.loads(path.read_text())
         labels = np.asarray(Image.open(out / rec["outputs"]["labels"]))
         areas = np.unique(labels, return_counts=True)[1] / labels.size
         heat = np.asarray(Image.open(out / rec["outputs"]["heatmap"]), dtype=np.float64)
+        tree = load_hierarchy(out / rec["outputs"]["hierarchy"])[0]
         summary[rec["name"]] = {
-            "num_regions": rec["num_regions"], "escape": rec["escape"],
+            "num_regions": rec["num_regions"],
+            "escape": [round(float(e), 6) for e in tree.escape_at(level)],
             "region_areas": sorted(areas.tolist(), reverse=True),
             "mask_fraction": rec["mask_fraction"], "heatmap_mean": heat.mean() / 255}
     return summary

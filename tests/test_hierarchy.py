@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from segment.core import cuts
-from segment.core.hierarchy import Hierarchy
+from segment.core.hierarchy import Hierarchy, majority_region
 from test_cuts import planted_affinity
 
 
@@ -260,6 +260,37 @@ def test_pixel_levels_are_unions_of_leaves_and_nest():
         h.pixel_labels_at(pix + h.num_leaves, 0.5)
     with pytest.raises(ValueError, match="integer"):
         h.pixel_labels_at(pix.float(), 0.5)
+
+
+def test_labels_inherit_the_values_of_the_region_they_were_split_from():
+    # three leaves: node 3 = (0, 1) split at 0.4, the root (3, 2) at 0.2
+    h = Hierarchy(leaves=torch.arange(3), children=torch.tensor([[0, 1], [3, 2]]),
+                  height=torch.tensor([0.4, 0.2], dtype=torch.float64),
+                  ncut=torch.tensor([0.4, 0.2], dtype=torch.float64),
+                  escape=torch.tensor([0.3, 0.35, 0.1, 0.12, 0.0], dtype=torch.float64))
+    leaf = torch.arange(12).div(4, rounding_mode="floor").expand(6, 12)  # 4 columns a leaf
+    labels = leaf.clone()
+    labels[3:, :4] = 3  # leaf 0 in two components, 0 and 3
+    labels[0, 4] = 2  # a speck of leaf 1 absorbed by label 2 (leaf 2): outvoted
+    nan = float("nan")
+    for t, height, escape in [
+            (0.5, [0.4, 0.4, 0.2, 0.4, nan], [0.3, 0.35, 0.1, 0.3, nan]),  # the leaves
+            (0.3, [0.2, 0.2, 0.2, 0.2, nan], [0.12, 0.12, 0.1, 0.12, nan])]:  # {0, 1}, {2}
+        got_h, got_e = h.label_values(labels, leaf, t, num_labels=5)  # id 4: no pixel
+        want_h, want_e = (torch.tensor(v, dtype=torch.float64) for v in (height, escape))
+        torch.testing.assert_close(got_h, want_h, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(got_e, want_e, rtol=0, atol=0, equal_nan=True)
+        lev = h.level(t)  # the values are the level's: the region exists at t
+        assert bool((lev.height < t).all() and (t <= lev.until).all())
+    assert h.label_values(labels, leaf, 0.5)[0].shape == (4,)  # labels.max() + 1 by default
+    # ties go to the smaller region id; ids past num_labels are left out
+    assert majority_region(torch.tensor([0, 0, 1, 2]), torch.tensor([5, 2, 1, 1])).tolist() \
+        == [2, 1, 1]
+    assert majority_region(torch.tensor([0, 3]), torch.tensor([1, 0]), 2).tolist() == [1, -1]
+    with pytest.raises(ValueError, match="one shape"):
+        majority_region(torch.zeros(3, dtype=torch.long), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="non-negative"):
+        majority_region(torch.tensor([-1, 0]), torch.tensor([0, 0]))
 
 
 def test_bad_tables_and_arguments_are_refused():

@@ -257,7 +257,11 @@ def _coco_annotations_reference(seg: Segmentation) -> list[dict]:
         if not m.any():
             continue
         rle = mask_utils.encode(np.asfortranarray(m.astype(np.uint8)))
-        anns.append(coco._annotation(rle, cat, float(seg.heatmap[m].mean()), region))
+        ann = coco._annotation(rle, cat, float(seg.heatmap[m].mean()), region)
+        if region is not None:  # a region's two numbers (null without a hierarchy)
+            for key, values in (("height", seg.region_height), ("escape", seg.region_escape)):
+                ann[key] = None if values is None else round(float(values[region]), 6)
+        anns.append(ann)
     return anns
 
 
@@ -282,9 +286,18 @@ def test_region_annotations_equal_one_mask_per_region(case):
     fg = rng.random(int(lab.max()) + 1) > 0.5
     heat = rng.random((h, w)).astype(np.float32)
     seg = Segmentation(heatmap=heat, mask=fg[lab], labels=lab, foreground=fg)
+    if case in ("blocks", "edges"):  # with a hierarchy's values: NaN for the absent ids
+        k = int(lab.max()) + 1
+        absent = np.bincount(lab.ravel(), minlength=k) == 0
+        seg.region_height = np.where(absent, np.nan, rng.random(k) * 2)
+        seg.region_escape = np.where(absent, np.nan, rng.random(k))
     got, ref = coco_annotations(seg), _coco_annotations_reference(seg)
     assert [a["region_id"] for a in got] == sorted(np.unique(lab).tolist())
     assert json.dumps(got) == json.dumps(ref)
+    assert all(("height" in a) and ("escape" in a) for a in got)
+    if seg.region_height is not None:  # every present id has its values, rounded as written
+        assert all(a["height"] == round(float(seg.region_height[a["region_id"]]), 6)
+                   and a["height"] is not None for a in got)
 
 
 def test_empty_mask_gives_no_annotation():

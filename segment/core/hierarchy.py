@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["Hierarchy", "Level", "descend"]
+__all__ = ["Hierarchy", "Level", "descend", "majority_region"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -289,6 +289,34 @@ class Hierarchy:
                              f"[{int(leaf_pixels.min())}, {int(leaf_pixels.max())}]")
         return self.leaf_labels_at(t).to(leaf_pixels.device)[leaf_pixels.long()]
 
+    def label_values(self, labels: Tensor, leaf_pixels: Tensor, t: float,
+                     num_labels: int | None = None) -> tuple[Tensor, Tensor]:
+        """The height and escape each label inherits from its region at threshold ``t``.
+
+        A label map drawn from the level at ``t`` (e.g. its regions split into connected
+        components, specks absorbed by their neighbours) has each label inside one region
+        of the level, up to the specks: label ``k`` takes the values of the region holding
+        most of its pixels (:func:`majority_region`).
+
+        Args:
+            labels: ``(..., H, W)`` integer label ids.
+            leaf_pixels: every pixel's leaf, of the same shape (:meth:`pixel_labels_at`).
+            t: the threshold of the level.
+            num_labels: the length of the answer (``labels.max() + 1`` when ``None``).
+
+        Returns:
+            ``(height, escape)``, each ``(num_labels,)`` float64 (CPU): the region's
+            :class:`Level` ``height`` (it exists for ``height < t' <= until``) and ``escape``
+            (the probability that the stationary walk leaves it in one step); NaN for an id
+            with no pixel.
+        """
+        lev = self.level(t)
+        source = majority_region(labels, self.pixel_labels_at(leaf_pixels, t), num_labels)
+        at = source.clamp_min(0)
+        nan = torch.tensor(float("nan"), dtype=torch.float64)
+        return (torch.where(source >= 0, lev.height[at], nan),
+                torch.where(source >= 0, lev.escape[at], nan))
+
     def ancestors(self, leaf: int) -> tuple[Tensor, Tensor, Tensor]:
         """The nodes from the root down to ``leaf`` (every region containing the leaf at some
         threshold, coarse to fine) with the heights each lives between.
@@ -370,3 +398,33 @@ def descend(tree: Hierarchy, t: float, region: Tensor, mass: Tensor, first_mass:
         node[split] = torch.where(first, children[at - num, 0], children[at - num, 1])
         mass[split] = torch.where(first, m0, m1)
     return node
+
+
+def majority_region(labels: Tensor, region: Tensor, num_labels: int | None = None) -> Tensor:
+    """Per label id, the region that holds most of its pixels: how a connected component (or
+    any label map drawn from a partition) inherits the values of the region it came from.
+
+    Args:
+        labels: ``(...)`` non-negative integer label ids (e.g. the connected components of
+            the default level, ``MethodOutput.labels``).
+        region: integer region ids of the same shape (e.g. ``Hierarchy.pixel_labels_at``).
+        num_labels: the length of the answer (``labels.max() + 1`` when ``None``).
+
+    Returns:
+        ``(num_labels,)`` int64 (CPU): the region most of label ``k``'s pixels lie in (ties:
+        the smaller region id), ``-1`` for an id with no pixel.
+    """
+    if labels.shape != region.shape or labels.numel() == 0:
+        raise ValueError(f"labels and region must be non-empty and of one shape, got "
+                         f"{tuple(labels.shape)} and {tuple(region.shape)}")
+    lab = labels.reshape(-1).long().cpu()
+    reg = region.reshape(-1).long().cpu()
+    if int(lab.min()) < 0 or int(reg.min()) < 0:
+        raise ValueError("labels and region must hold non-negative ids")
+    k = int(lab.max()) + 1 if num_labels is None else int(num_labels)
+    keep = lab < k
+    lab, reg = lab[keep], reg[keep]
+    r = int(reg.max()) + 1 if reg.numel() else 1
+    votes = torch.bincount(lab * r + reg, minlength=k * r).reshape(k, r)
+    best = votes.argmax(1)  # the first maximum: ties to the smaller region id
+    return torch.where(votes.sum(1) > 0, best, torch.full_like(best, -1))

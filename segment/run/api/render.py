@@ -71,8 +71,6 @@ class Segmentation:
         mask: ``(H, W)`` bool foreground.
         labels: ``(H, W)`` int32 region ids, multi-region methods only.
         foreground: ``(K,)`` bool, region ``k`` is foreground; with ``labels``.
-        escape: the escape probability of every region of the method's token partition
-            (``method=cuts``), else ``None``.
         hierarchy: the image's :class:`segment.core.hierarchy.Hierarchy` (methods that give
             every level: ``cuts``), else ``None``.
         leaves: ``(H, W)`` int32 with ``hierarchy``: every pixel's leaf (the finest level),
@@ -81,37 +79,27 @@ class Segmentation:
             ``hierarchy.leaf_labels_at(t)[leaves]``, so the levels nest exactly.
         level: with ``hierarchy``, the threshold of the level ``labels`` are
             (``Method.default_level``; ``None`` when not known).
+        region_height: ``(labels.max() + 1,)`` float64, index-aligned with the ids of
+            ``labels``: the height of the split that made each region, so that it exists at
+            the thresholds ``t`` with ``height < t <= until`` (``0`` for the whole image);
+            NaN for an id no pixel has. A label is a connected component of a region of
+            ``hierarchy.level(level)`` and takes that region's values
+            (:meth:`segment.core.hierarchy.Hierarchy.label_values`, counted on the method's
+            grid). ``None`` without a hierarchy.
+        region_escape: likewise, the probability in ``[0, 1]`` that the stationary walk on
+            the image's whole chain leaves the region in one step (a property of the region,
+            not a threshold: ``height`` is what a threshold is compared with).
     """
 
     heatmap: np.ndarray
     mask: np.ndarray
     labels: np.ndarray | None = None
     foreground: np.ndarray | None = None
-    escape: list[float] | None = None
     hierarchy: Hierarchy | None = None
     leaves: np.ndarray | None = None
     level: float | None = None
-
-    def region_levels(self) -> tuple[list[float | None], list[float | None]] | None:
-        """Per label id of ``labels`` (``0 .. max``), the ``(height, escape)`` of its token
-        region at ``level`` (the region of ``hierarchy.level(level)`` holding most of its
-        pixels: a connected component inherits its region's values; ``None`` for an id no
-        pixel has): the region exists for the thresholds above ``height``, and the
-        stationary walk leaves it in one step with probability ``escape``. ``None`` without
-        a hierarchy or a level."""
-        if self.hierarchy is None or self.leaves is None or self.level is None \
-                or self.labels is None:
-            return None
-        lev = self.hierarchy.level(float(self.level))
-        region = self.hierarchy.leaf_labels_at(float(self.level)).numpy()[self.leaves].ravel()
-        k, r = int(self.labels.max()) + 1, len(lev.nodes)
-        pairs = np.bincount(self.labels.ravel().astype(np.int64) * r + region,
-                            minlength=k * r).reshape(k, r)
-        best = pairs.argmax(1)
-        present = pairs.sum(1) > 0
-        height = [round(float(lev.height[b]), 6) if p else None for b, p in zip(best, present)]
-        escape = [round(float(lev.escape[b]), 6) if p else None for b, p in zip(best, present)]
-        return height, escape
+    region_height: np.ndarray | None = None
+    region_escape: np.ndarray | None = None
 
     @property
     def size(self) -> tuple[int, int]:
@@ -129,7 +117,10 @@ def postprocess(out: MethodOutput, index: int, size: tuple[int, int],
     they bound do not step every ``H / h`` pixels on photos larger than the backbone
     input, or ``nearest`` (``segment-eval``'s rule at the label resolution). A method's
     leaf map (``MethodOutput.leaves``) reaches the image size by the same rule; ``level``
-    is the threshold of the default level of a method's hierarchy (``Method.default_level``).
+    is the threshold of the default level of a method's hierarchy (``Method.default_level``),
+    whose regions give each label its height and escape
+    (:meth:`segment.core.hierarchy.Hierarchy.label_values` on the method's grid, where every
+    label lies in the region it was split from; NaN for an id absent at ``size``).
     """
     one = MethodOutput(
         heatmap=out.heatmap[index : index + 1].float().cpu(),
@@ -141,15 +132,21 @@ def postprocess(out: MethodOutput, index: int, size: tuple[int, int],
     if lab is not None:
         labels = lab[0].int().numpy()
         fg = one.foreground[0].bool().numpy()
-    escape = None if out.escape is None else [round(float(e), 6) for e in out.escape[index]]
-    tree = leaves = None
+    tree = leaves = height = escape = None
     if out.hierarchy is not None:
         tree = out.hierarchy[index]
-        leaves = labels_at(out.leaves[index : index + 1].cpu(), size, label_upsampling)
-        leaves = leaves[0].int().numpy()
+        grid_leaves = out.leaves[index].cpu()
+        leaves = labels_at(grid_leaves[None], size, label_upsampling)[0].int().numpy()
+        if level is not None and labels is not None:
+            k = int(labels.max()) + 1
+            h, e = tree.label_values(one.labels[0], grid_leaves, float(level), k)
+            absent = np.bincount(labels.ravel(), minlength=k) == 0
+            height, escape = h.numpy(), e.numpy()
+            height[absent] = escape[absent] = np.nan
     return Segmentation(heatmap=r[0].numpy(), mask=mask[0].numpy(), labels=labels, foreground=fg,
-                        escape=escape, hierarchy=tree, leaves=leaves,
-                        level=None if tree is None or level is None else float(level))
+                        hierarchy=tree, leaves=leaves,
+                        level=None if tree is None or level is None else float(level),
+                        region_height=height, region_escape=escape)
 
 
 def palette(k: int) -> np.ndarray:

@@ -194,8 +194,22 @@ class Result:
         record: this image's :class:`~segment.core.record.AttentionRecord` (batch of one; the
             chain the method read), or ``None`` when not kept.
         image: the RGB image that was segmented (what :func:`show` draws on).
-        escape: the escape probability of every region of the method's token partition
-            (``method=cuts``), else ``None``.
+        region_height: ``(labels.max() + 1,)`` float64, index-aligned with the ids of
+            ``labels`` (``region_height[k]`` is label ``k``'s): the height of the split that
+            made the region, so that it exists at the thresholds ``t`` with
+            ``height < t <= until`` (:meth:`regions_at`; ``0`` for the whole image). A label
+            is a connected component of a region of the default level
+            (``hierarchy.level(level)``) and inherits that region's values
+            (:meth:`segment.core.hierarchy.Hierarchy.label_values`: the region holding most
+            of its pixels, which is also the rule for the two labels of an image whose
+            regions all fell on one side, :func:`segment.core.stages.decide_regions`); NaN
+            for an id no pixel has. ``None`` for a method without a hierarchy (only ``cuts``
+            gives one).
+        region_escape: likewise, the probability in ``[0, 1]`` that the stationary walk on
+            the image's whole chain leaves the region in one step. Not a threshold: the cut
+            threshold ``method.escape`` bounds the heights (every region of the default level
+            has ``height < escape``), while a region's own escape may be anything in
+            ``[0, 1]``.
         hierarchy: the image's :class:`segment.core.hierarchy.Hierarchy`, every level of the
             escape cuts (``method=cuts``), else ``None``.
         leaves: ``(H, W)`` int32 with ``hierarchy``: every pixel's leaf (the finest level),
@@ -213,7 +227,8 @@ class Result:
     foreground: np.ndarray | None
     record: AttentionRecord | None = None
     image: Image.Image | None = None
-    escape: list[float] | None = None
+    region_height: np.ndarray | None = None
+    region_escape: np.ndarray | None = None
     hierarchy: Hierarchy | None = None
     leaves: np.ndarray | None = None
     level: float | None = None
@@ -230,7 +245,8 @@ class Result:
             heatmap=seg.heatmap.astype(np.float32, copy=False),
             labels=None if seg.labels is None else seg.labels.astype(np.int32, copy=False),
             foreground=None if seg.foreground is None else seg.foreground.astype(bool, copy=False),
-            escape=seg.escape,
+            region_height=seg.region_height,
+            region_escape=seg.region_escape,
             hierarchy=seg.hierarchy,
             leaves=seg.leaves,
             level=seg.level,
@@ -241,8 +257,9 @@ class Result:
         """Back to the command's :class:`~segment.run.api.render.Segmentation` (for the writers)."""
         return Segmentation(heatmap=self.heatmap, mask=self.mask,
                             labels=None if self.labels is None else self.labels.astype(np.int32, copy=False),
-                            foreground=self.foreground, escape=self.escape,
-                            hierarchy=self.hierarchy, leaves=self.leaves, level=self.level)
+                            foreground=self.foreground, hierarchy=self.hierarchy,
+                            leaves=self.leaves, level=self.level,
+                            region_height=self.region_height, region_escape=self.region_escape)
 
     def _tree(self) -> tuple[Hierarchy, np.ndarray]:
         if self.hierarchy is None or self.leaves is None:

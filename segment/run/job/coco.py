@@ -28,6 +28,13 @@ multi-region method gives one annotation per region, ``foreground`` or ``backgro
 the method's decision for that region."""
 
 
+def json_floats(values: np.ndarray | None, decimals: int = 6) -> list[float | None] | None:
+    """A float array as a JSON list: rounded to ``decimals``, NaN as ``None`` (``null``)."""
+    if values is None:
+        return None
+    return [None if v != v else round(float(v), decimals) for v in np.asarray(values).tolist()]
+
+
 def _annotation(rle: dict, category: int, score: float, region: int | None,
                 area: int | None = None, bbox: list[float] | None = None) -> dict[str, Any]:
     ann = {
@@ -103,9 +110,12 @@ def coco_annotations(seg: Segmentation) -> list[dict[str, Any]]:
     """COCO annotations of one image (without ``id``/``image_id``), RLE-compressed.
 
     Binary: one ``foreground`` annotation for the mask (none when the mask is empty).
-    Regions: one annotation per region present in the label map, with its ``region_id`` and
-    the category ``foreground``/``background`` the method chose for it. ``score`` = mean of
-    the heatmap R over the annotated pixels.
+    Regions: one annotation per region present in the label map, with its ``region_id``, the
+    category ``foreground``/``background`` the method chose for it, and its ``height`` and
+    ``escape`` (``Segmentation.region_height`` and ``region_escape`` of its id, 6 decimals:
+    the height of the split that made the region, and the probability that the stationary
+    walk leaves it in one step; ``null`` for a method without a hierarchy). ``score`` = mean
+    of the heatmap R over the annotated pixels.
 
     Regions are done from the runs of the label map (:func:`region_rles`; the heatmap is
     gathered region by region from the row-major runs, so each score is ``np.mean`` of the
@@ -128,12 +138,16 @@ def coco_annotations(seg: Segmentation) -> list[dict[str, Any]]:
     pix = np.concatenate([[0], np.cumsum(lens)])[bounds]  # pixel range of each region
     areas = np.diff(pix).tolist()  # = mask_utils.area of each RLE
     boxes = mask_utils.toBbox(rles).tolist()  # all regions in one call
+    heights, escapes = json_floats(seg.region_height), json_floats(seg.region_escape)
     anns = []
     for j, k in enumerate(ids.tolist()):
         fg = bool(seg.foreground[k]) if k < len(seg.foreground) else False
         score = float(heat[pix[j]: pix[j + 1]].mean())
-        anns.append(_annotation(rles[j], FOREGROUND_ID if fg else BACKGROUND_ID, score, int(k),
-                                area=areas[j], bbox=boxes[j]))
+        ann = _annotation(rles[j], FOREGROUND_ID if fg else BACKGROUND_ID, score, int(k),
+                          area=areas[j], bbox=boxes[j])
+        ann["height"] = None if heights is None else heights[k]  # one entry per id: k is one
+        ann["escape"] = None if escapes is None else escapes[k]
+        anns.append(ann)
     return anns
 
 

@@ -21,19 +21,25 @@ The level at a threshold ``t`` keeps the splits of height below ``t``:
 :func:`labels_at` rebuilds its ``(H, W)`` labels (the ids of
 :meth:`segment.core.hierarchy.Hierarchy.labels_at`) and :func:`mask_at` a mask (the regions
 most of whose pixels are foreground).
+
+From the command line, ``python -m segment.run.job.levels RUN_DIR --t 0.6`` writes the
+labels and masks of every image of a finished run at another threshold
+(:mod:`segment.run.job.levels`).
 """
 
 from __future__ import annotations
 
 import io
 import os
+import zipfile
 
 import numpy as np
 import torch
 
 from segment.core.hierarchy import Hierarchy
 
-__all__ = ["encode_hierarchy", "labels_at", "load_hierarchy", "mask_at"]
+__all__ = ["encode_hierarchy", "labels_at", "level_labels", "level_mask", "load_hierarchy",
+           "mask_at"]
 
 
 def encode_hierarchy(tree: Hierarchy, leaves: np.ndarray, mask: np.ndarray) -> bytes:
@@ -63,16 +69,32 @@ def encode_hierarchy(tree: Hierarchy, leaves: np.ndarray, mask: np.ndarray) -> b
 
 def load_hierarchy(path: str | os.PathLike) -> tuple[Hierarchy, np.ndarray, np.ndarray]:
     """A written ``hierarchy/<name>.npz`` -> ``(tree, leaves (H, W) int64,
-    leaf_foreground (L,) float64)``; the tree is checked as when it was built."""
-    with np.load(path) as z:
-        leaves = z["leaves"].astype(np.int64)
-        tree = Hierarchy(
-            leaves=torch.arange(int(z["children"].shape[0]) + 1),  # each leaf its own token
-            children=torch.from_numpy(z["children"].astype(np.int64)),
-            height=torch.from_numpy(z["height"].astype(np.float64)),
-            ncut=torch.from_numpy(z["ncut"].astype(np.float64)),
-            escape=torch.from_numpy(z["escape"].astype(np.float64)))
-        return tree, leaves, z["leaf_foreground"].astype(np.float64)
+    leaf_foreground (L,) float64)``; the tree is checked as when it was built.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not a hierarchy file (not an ``.npz``, an array missing, or arrays
+            that do not make a tree), naming the file.
+    """
+    try:
+        with np.load(path) as z:
+            leaves = z["leaves"].astype(np.int64)
+            share = z["leaf_foreground"].astype(np.float64)
+            tree = Hierarchy(
+                leaves=torch.arange(int(z["children"].shape[0]) + 1),  # each leaf its own token
+                children=torch.from_numpy(z["children"].astype(np.int64)),
+                height=torch.from_numpy(z["height"].astype(np.float64)),
+                ncut=torch.from_numpy(z["ncut"].astype(np.float64)),
+                escape=torch.from_numpy(z["escape"].astype(np.float64)))
+    except (KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{os.fspath(path)} is not a hierarchy file: {e}") from None
+    num = tree.num_leaves
+    if leaves.ndim != 2 or leaves.size == 0 or int(leaves.min()) < 0 \
+            or int(leaves.max()) >= num or share.shape != (num,):
+        raise ValueError(f"{os.fspath(path)} is not a hierarchy file: leaves must be (H, W) ids "
+                         f"in [0, {num}) and leaf_foreground ({num},), got {leaves.shape} and "
+                         f"{share.shape}")
+    return tree, leaves, share
 
 
 def labels_at(path: str | os.PathLike, t: float) -> np.ndarray:
@@ -80,14 +102,23 @@ def labels_at(path: str | os.PathLike, t: float) -> np.ndarray:
     the model: the ids ``Result.labels_at(t)`` gives (the escape cuts keeping the splits of
     height below ``t``; small ``t`` coarse, ``t`` above every height the leaves)."""
     tree, leaves, _ = load_hierarchy(path)
-    return tree.leaf_labels_at(float(t)).numpy().astype(np.int32)[leaves]
+    return level_labels(tree, leaves, t)
 
 
 def mask_at(path: str | os.PathLike, t: float) -> np.ndarray:
     """``(H, W)`` bool a foreground mask at threshold ``t``: the regions of :func:`labels_at`
     more than half of whose pixels are in the image's mask (at the default level this is
     the written mask up to the pixels where a region's majority differs)."""
-    tree, leaves, share = load_hierarchy(path)
+    return level_mask(*load_hierarchy(path), t)
+
+
+def level_labels(tree: Hierarchy, leaves: np.ndarray, t: float) -> np.ndarray:
+    """:func:`labels_at` of a loaded file (:func:`load_hierarchy`): ``(H, W)`` int32."""
+    return tree.leaf_labels_at(float(t)).numpy().astype(np.int32)[leaves]
+
+
+def level_mask(tree: Hierarchy, leaves: np.ndarray, share: np.ndarray, t: float) -> np.ndarray:
+    """:func:`mask_at` of a loaded file (:func:`load_hierarchy`): ``(H, W)`` bool."""
     region = tree.leaf_labels_at(float(t)).numpy()
     size = np.bincount(leaves.reshape(-1), minlength=tree.num_leaves).astype(np.float64)
     fg = np.nan_to_num(share) * size

@@ -48,15 +48,17 @@ class ImageStatus:
     source_bytes: int | None = None
     source_mtime_ns: int | None = None
     known_bad: bool | None = None
-    # done or resumed: the regions in its label map and (method=cuts) the escape probability
-    # of every region of the token partition, as in its record
+    # done or resumed: the regions in its label map and (methods with a hierarchy) each label
+    # id's region_height and region_escape, index-aligned with the ids, as in its record
     regions: int | None = None
-    escape: list[float] | None = None
+    region_height: list[float | None] | None = None
+    region_escape: list[float | None] | None = None
 
     @classmethod
     def finished(cls, rec: ImageRecord, status: str, **kw: Any) -> ImageStatus:
         """The status of an image whose outputs are written (``done``) or kept (``resumed``)."""
-        return cls(rec.name, rec.source, status, regions=rec.num_regions, escape=rec.escape, **kw)
+        return cls(rec.name, rec.source, status, regions=rec.num_regions,
+                   region_height=rec.region_height, region_escape=rec.region_escape, **kw)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}

@@ -49,11 +49,16 @@ from segment.run.api.render import (
     region_colors,
     thumbnail,
 )
-from segment.run.job.coco import coco_annotations
+from segment.run.job.coco import coco_annotations, json_floats
 from segment.run.job.hierarchy_files import encode_hierarchy
 from segment.utils import atomic_write_bytes
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2
+"""2: ``region_height`` and ``region_escape`` aligned with the label ids, each region's
+annotation with its ``height`` and ``escape``; version 1 carried the token partition's
+escape probabilities under ``escape`` (not aligned with the labels), so its images are
+segmented again."""
+
 
 
 def rel_output(kind: str, name: str) -> str:
@@ -124,15 +129,15 @@ class ImageRecord:
         annotations: COCO annotations without ``id``/``image_id``.
         mask_fraction: share of foreground pixels.
         num_regions: regions in the label map (multi-region methods), else ``None``.
-        escape: the escape probability of every region of the method's token partition
-            (``method=cuts``: the escape cuts, before pixel refinement splits them into
-            connected pieces), else
-            ``None``.
-        region_height: per label id of ``labels/`` (index-aligned with the ids), the height
-            of the split that made its token region (it exists for the thresholds above it;
-            a connected component inherits its region's value), for methods that give a
-            hierarchy (``Segmentation.region_levels``), else ``None``.
-        region_escape: likewise, its token region's escape probability on the whole chain.
+        region_height: per label id of ``labels/`` (index-aligned with the ids: entry ``k``
+            is label ``k``'s, ``labels.max() + 1`` entries), the height of the split that
+            made the region (it exists for the thresholds ``t`` with ``height < t <=
+            until``), 6 decimals; a connected component inherits the value of the region of
+            the default level it is a piece of (``Segmentation.region_height``); ``null``
+            for an id no pixel has. ``None`` for methods without a hierarchy (only ``cuts``
+            gives one).
+        region_escape: likewise, the probability in ``[0, 1]`` that the stationary walk on
+            the whole chain leaves the region in one step (not a threshold).
         source_mode: Pillow mode of the file.
         notes: non-fatal remarks from reading.
         seconds: time spent post-processing and writing.
@@ -150,7 +155,6 @@ class ImageRecord:
     annotations: list[dict[str, Any]]
     mask_fraction: float
     num_regions: int | None = None
-    escape: list[float] | None = None
     region_height: list[float | None] | None = None
     region_escape: list[float | None] | None = None
     source_mode: str = ""
@@ -161,6 +165,20 @@ class ImageRecord:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ImageRecord:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+def encode_mask(mask: np.ndarray, opts: RenderOptions) -> bytes:
+    """The PNG bytes of ``masks/<name>.png``: ``(H, W)`` bool -> 8-bit grey 0/255."""
+    # a mask has long runs: libpng without row filters is 3x faster than Pillow here
+    return _encode(".png", mask.astype(np.uint8) * 255,
+                   [cv2.IMWRITE_PNG_COMPRESSION, opts.png_compression,
+                    cv2.IMWRITE_PNG_FILTER, cv2.IMWRITE_PNG_FILTER_NONE])
+
+
+def encode_labels(labels: np.ndarray, opts: RenderOptions) -> bytes:
+    """The PNG bytes of ``labels/<name>.png``: ``(H, W)`` non-negative integer ids -> an
+    indexed PNG (a 16-bit grey one past 256 ids, :func:`segment.run.api.render.label_image`)."""
+    return _png(label_image(labels, int(labels.max()) + 1), opts)
 
 
 def encode_files(image: np.ndarray, seg: Segmentation, opts: RenderOptions) -> dict[str, bytes]:
@@ -179,9 +197,7 @@ def encode_files(image: np.ndarray, seg: Segmentation, opts: RenderOptions) -> d
     heat_u8 = quantize(seg.heatmap)
     over = overlay(image, seg, opts.overlay_alpha)
     files: dict[str, bytes] = {
-        # a mask has long runs: libpng without row filters is 3x faster than Pillow here
-        "mask": _encode(".png", mask_u8, [cv2.IMWRITE_PNG_COMPRESSION, opts.png_compression,
-                                          cv2.IMWRITE_PNG_FILTER, cv2.IMWRITE_PNG_FILTER_NONE]),
+        "mask": encode_mask(seg.mask, opts),
         "heatmap": _png(heatmap_image(heat_u8, opts.colormap), opts),
         "overlay": _encode(".jpg", over, jpg),
     }
@@ -194,7 +210,7 @@ def encode_files(image: np.ndarray, seg: Segmentation, opts: RenderOptions) -> d
     }
     if seg.labels is not None:
         k = int(seg.labels.max()) + 1
-        files["labels"] = _png(label_image(seg.labels, k), opts)
+        files["labels"] = encode_labels(seg.labels, opts)
         small = cv2.resize(seg.labels.astype(np.uint8 if k <= 256 else np.float32),
                            thumbs["mask"].shape[::-1], interpolation=cv2.INTER_NEAREST)
         thumbs["labels"] = region_colors(small.astype(np.int32, copy=False), k)
@@ -253,12 +269,10 @@ def write_image(
         # the image's own region count (one annotation per region present): ``foreground``
         # is padded to the batch's largest K, so its length would depend on the batch
         num_regions=None if seg.labels is None else len(annotations),
-        escape=seg.escape,
+        region_height=json_floats(seg.region_height),
+        region_escape=json_floats(seg.region_escape),
         **record_fields,
     )
-    levels = seg.region_levels()
-    if levels is not None:
-        rec.region_height, rec.region_escape = levels
     # only file-system calls from here on: all of the image's files, or none of them
     try:
         # an old record must not vouch for files that are about to be replaced
