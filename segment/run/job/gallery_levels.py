@@ -275,21 +275,28 @@ _LEVELS_JS = r"""
     const id = new Map(nodes.map((n, k) => [n, k]));
     return {t, nodes, region: Int32Array.from(node, n => id.get(n))};
   }
-  function draw(g) {
-    const {w, h} = g.d, lab = g.labels, region = g.lv.region, leaves = g.leaves;
+  // a pixel as one 32-bit word of the canvas's RGBA bytes (whatever the byte order)
+  const little = new Uint8Array(new Uint32Array([1]).buffer)[0] === 1;
+  const pack = (c, a) => (little ? (a << 24 | c[2] << 16 | c[1] << 8 | c[0])
+                                 : (c[0] << 24 | c[1] << 16 | c[2] << 8 | a)) >>> 0;
+  const WHITE = pack([255, 255, 255], 235), YELLOW = pack([255, 230, 0], 235);
+  function draw(g) {  // boundaries where a 4-neighbour differs; the pointer's region lighter
+    const {w, h} = g.d, lab = g.labels, region = g.lv.region, leaves = g.leaves, K = g.lv.nodes.length;
     for (let p = 0; p < lab.length; p++) lab[p] = region[leaves[p]];
-    const cols = g.lv.nodes.map(n => colour(g.first[n]));
-    const ctx = g.canvas.getContext('2d'), im = ctx.createImageData(w, h), px = im.data;
-    const seen = new Uint8Array(g.lv.nodes.length);
+    const fill = Uint32Array.from(g.lv.nodes, (n, r) => pack(colour(g.first[n]), r === g.hover ? 30 : 120));
+    if (!g.image) {
+      g.ctx = g.canvas.getContext('2d');
+      g.image = g.ctx.createImageData(w, h);
+      g.px = new Uint32Array(g.image.data.buffer);
+    }
+    const px = g.px, seen = new Uint8Array(K);
     for (let y = 0, p = 0; y < h; y++) for (let x = 0; x < w; x++, p++) {
       const r = lab[p]; seen[r] = 1;
       const edge = (x > 0 && lab[p - 1] !== r) || (x < w - 1 && lab[p + 1] !== r) ||
                    (y > 0 && lab[p - w] !== r) || (y < h - 1 && lab[p + w] !== r);
-      const c = edge ? (r === g.hover ? [255, 230, 0] : [255, 255, 255]) : cols[r];
-      px[4 * p] = c[0]; px[4 * p + 1] = c[1]; px[4 * p + 2] = c[2];
-      px[4 * p + 3] = edge ? 235 : (r === g.hover ? 30 : 120);
+      px[p] = edge ? (r === g.hover ? YELLOW : WHITE) : fill[r];
     }
-    ctx.putImageData(im, 0, 0);
+    g.ctx.putImageData(g.image, 0, 0);
     g.drawn = seen.reduce((a, b) => a + b, 0);
     g.canvas.dataset.regions = g.drawn;
   }
@@ -315,7 +322,12 @@ _LEVELS_JS = r"""
   function setLevel() {
     const t = T[+slider.value];
     tOut.textContent = show(t); tOut.dataset.t = String(t);
-    for (const g of images) { g.lv = level(g, t); g.hover = -1; draw(g); say(g, null); }
+    for (const g of images) {  // an image whose regions did not change is not redrawn
+      const lv = level(g, t), same = g.lv && g.hover < 0 && lv.region.every((r, k) => r === g.lv.region[k]);
+      g.lv = lv;
+      if (!same) { g.hover = -1; draw(g); }
+      say(g, null);
+    }
   }
   slider.addEventListener('input', setLevel);
   const button = document.getElementById('lv-default');
