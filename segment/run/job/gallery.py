@@ -142,7 +142,7 @@ def render_gallery(
             + (["regions"] if levels else []))
     ts = lv.thresholds(default_level)
     e = html.escape
-    css = _GALLERY_CSS % {'t': thumb_size, 'maxw': 220 + len(cols) * (thumb_size + 10)}
+    css = _GALLERY_CSS % {"t": thumb_size, "maxw": 220 + len(cols) * (thumb_size + 10)}
     if levels:
         css += lv.LEVELS_CSS.replace("THUMB", str(thumb_size))
     out = [
