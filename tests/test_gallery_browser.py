@@ -5,11 +5,13 @@ legend there. Skipped with a reason when Chromium is not installed
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -79,9 +81,20 @@ def _gallery(tmp_path: Path) -> Path:
 
 
 def _chromium(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    base = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-            "--disable-dev-shm-usage", "--allow-file-access-from-files", "--virtual-time-budget=5000"]
-    return subprocess.run(base + args, capture_output=True, text=True, timeout=timeout)
+    """Headless Chromium with a fresh profile (no network, updates or sync) on ``args``."""
+    with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
+        base = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                "--disable-dev-shm-usage", "--allow-file-access-from-files", "--virtual-time-budget=5000",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--no-first-run", f"--user-data-dir={profile}"]
+        return subprocess.run(base + args, capture_output=True, text=True, timeout=timeout)
+
+
+def probe_result(stdout: str) -> dict:
+    """The JSON a probe script left in ``<body data-probe="...">`` of ``--dump-dom``'s output."""
+    m = re.search(r'data-probe="([^"]*)"', stdout)
+    assert m, stdout[-2000:]
+    return json.loads(html.unescape(m.group(1)))
 
 
 @pytest.mark.parametrize("width", [1280, 1920])

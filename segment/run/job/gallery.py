@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import html
+import logging
 import os
 import urllib.parse
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -12,9 +14,12 @@ from typing import Any
 import numpy as np
 
 from segment.run.api.render import colormap_lut, palette
+from segment.run.job import gallery_levels as lv
 from segment.run.job.coco import FOREGROUND_ID
 from segment.run.job.records import ImageRecord
 from segment.utils import atomic_write_text
+
+log = logging.getLogger(__name__)
 
 
 _GALLERY_CSS = """
@@ -55,8 +60,9 @@ def _hex(rgb: Sequence[int]) -> str:
     return "#%02x%02x%02x" % tuple(int(v) for v in rgb)
 
 
-def _legend(colormap: str, with_labels: bool) -> str:
-    """The key above the table: heatmap colour bar, mask and overlay conventions, labels."""
+def _legend(colormap: str, with_labels: bool, with_levels: bool = False) -> str:
+    """The key above the table: heatmap colour bar, mask and overlay conventions, labels,
+    the regions at t."""
     lut = colormap_lut(colormap)
     stops = ",".join(_hex(lut[i]) for i in np.linspace(0, 255, 17).round().astype(int))
     parts = [
@@ -73,6 +79,8 @@ def _legend(colormap: str, with_labels: bool) -> str:
         )
     else:
         parts.append("<div><b>overlay</b>: background darkened, mask outlined in green</div>")
+    if with_levels:
+        parts.append(lv.LEVELS_LEGEND)
     return '<div class="legend">' + "".join(parts) + "</div>"
 
 
@@ -111,6 +119,7 @@ def render_gallery(
     summary: Sequence[tuple[str, str]] = (),
     thumb_size: int = 256,
     colormap: str = "inferno",
+    default_level: float | None = None,
 ) -> str:
     """The HTML of the static gallery: a legend (heatmap colour bar, mask, overlay and label
     keys), one row per image (image | heatmap | mask | overlay, plus labels with a
@@ -119,44 +128,85 @@ def render_gallery(
     files (not images), each ``{"path", "reason"}``. All links are relative.
 
     The layout fits the window (columns share its width, thumbnails scale down; at least
-    1,280 px show every column without scrolling) and names wrap only after separators."""
+    1,280 px show every column without scrolling) and names wrap only after separators.
+
+    Images with a hierarchy (``hierarchy/<name>.npz``) get one more column, "regions at
+    t": their regions at the threshold of a slider, drawn from data inlined in the page, the
+    one under the pointer with its height and escape probability
+    (:mod:`segment.run.job.gallery_levels`); ``default_level`` is the method's default
+    threshold (``Method.default_level``: the slider's start, marked). A run without
+    hierarchies gets none of it."""
     with_labels = any("labels" in r.outputs for r in records)
-    cols = ["image", "heatmap", "mask", "overlay"] + (["labels"] if with_labels else [])
+    levels = _levels(root, records, thumb_size)
+    cols = (["image", "heatmap", "mask", "overlay"] + (["labels"] if with_labels else [])
+            + (["regions"] if levels else []))
+    ts = lv.thresholds(default_level)
     e = html.escape
+    css = _GALLERY_CSS % {"t": thumb_size, "maxw": 220 + len(cols) * (thumb_size + 10)}
+    if levels:
+        css += lv.LEVELS_CSS.replace("THUMB", str(thumb_size))
     out = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>{e(title)}</title><style>"
-        f"{_GALLERY_CSS % {'t': thumb_size, 'maxw': 220 + len(cols) * (thumb_size + 10)}}"
-        "</style></head><body>",
+        f"<title>{e(title)}</title><style>{css}</style></head><body>",
         f"<h1>{_name_html(title)}</h1>",
     ]
     if summary:
         out.append("<p>" + "<br>".join(f"<b>{e(k)}</b>: {_name_html(v)}" for k, v in summary) + "</p>")
-    out.append(_legend(colormap, with_labels))
+    out.append(_legend(colormap, with_labels, bool(levels)))
     out.append('<div class="wrap"><table class="images"><colgroup><col class="name">'
                + "<col>" * len(cols) + "</colgroup>")
-    out.append("<thead><tr><th>name</th>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr></thead><tbody>")
-    for r in records:
-        cells = [
-            f'<td class="name" title="{e(r.name)}">{_name_html(r.name)}<div class="small">{r.width}&times;{r.height}<br>'
-            f"foreground {100 * r.mask_fraction:.1f}%"
-            + (f"<br>{r.num_regions} regions" if r.num_regions is not None else "")
-            + "</div></td>"
-        ]
-        for c in cols:
-            thumb = r.outputs.get(f"thumb/{c}")
-            full = source_link(r.source_path, root) if c == "image" else r.outputs.get(c)
-            if thumb is None:
+    out.append("<thead><tr><th>name</th>" + "".join(
+        lv.levels_header(ts, default_level) if c == "regions" else f"<th>{c}</th>" for c in cols)
+        + "</tr></thead><tbody>")
+    inlined: list[dict[str, Any]] = []  # the levels of the canvases, in their order
+    out += [_row(root, r, cols, levels, inlined) for r in records]
+    out.append("</tbody></table></div>")
+    out += _file_tables(skipped, ignored)
+    if inlined:
+        out.append(lv.levels_script(ts, lv.start_index(ts, default_level), inlined))
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"
+
+
+def _row(root: str | os.PathLike, r: ImageRecord, cols: Sequence[str],
+         levels: dict[str, dict[str, Any]], inlined: list[dict[str, Any]]) -> str:
+    """The table row of one image; the data of its canvas (column "regions") is appended to
+    ``inlined``."""
+    e = html.escape
+    cells = [
+        f'<td class="name" title="{e(r.name)}">{_name_html(r.name)}<div class="small">{r.width}&times;{r.height}<br>'
+        f"foreground {100 * r.mask_fraction:.1f}%"
+        + (f"<br>{r.num_regions} regions" if r.num_regions is not None else "")
+        + "</div></td>"
+    ]
+    for c in cols:
+        if c == "regions":
+            data = levels.get(r.name)
+            if data is None or "thumb/image" not in r.outputs:
                 cells.append("<td></td>")
                 continue
-            key = _region_key(r) if c == "labels" else ""
-            cells.append(
-                f'<td><a href="{_href(full or thumb)}"><img loading="lazy" src="{_href(thumb)}" '
-                f'alt="{e(c)} of {e(r.name)}"></a>{key}</td>'
-            )
-        out.append("<tr>" + "".join(cells) + "</tr>")
-    out.append("</tbody></table></div>")
+            cells.append(lv.levels_cell(len(inlined), _href(r.outputs["thumb/image"]),
+                                        (data["h"], data["w"]), f"regions of {r.name}"))
+            inlined.append(data)
+            continue
+        thumb = r.outputs.get(f"thumb/{c}")
+        full = source_link(r.source_path, root) if c == "image" else r.outputs.get(c)
+        if thumb is None:
+            cells.append("<td></td>")
+            continue
+        key = _region_key(r) if c == "labels" else ""
+        cells.append(
+            f'<td><a href="{_href(full or thumb)}"><img loading="lazy" src="{_href(thumb)}" '
+            f'alt="{e(c)} of {e(r.name)}"></a>{key}</td>'
+        )
+    return "<tr>" + "".join(cells) + "</tr>"
+
+
+def _file_tables(skipped: Sequence[dict[str, str]], ignored: Sequence[dict[str, str]]) -> list[str]:
+    """The tables of the skipped images and the ignored files (none when empty)."""
+    e = html.escape
+    out = []
     for heading, files in (("Skipped", skipped), ("Ignored", ignored)):
         if not files:
             continue
@@ -165,8 +215,23 @@ def render_gallery(
         for f in files:
             out.append(f"<tr><td class=\"name\" title=\"{e(f['path'])}\">{_name_html(f['path'])}</td><td>{e(f['reason'])}</td></tr>")
         out.append("</table></div>")
-    out.append("</body></html>")
-    return "\n".join(out) + "\n"
+    return out
+
+
+def _levels(root: str | os.PathLike, records: Sequence[ImageRecord],
+            thumb_size: int) -> dict[str, dict[str, Any]]:
+    """Per image with a readable ``hierarchy/<name>.npz``, the page's data of its levels at
+    the thumbnail's size (an unreadable file leaves its image without the column's canvas)."""
+    out = {}
+    for r in records:
+        rel = r.outputs.get("hierarchy")
+        if rel is None:
+            continue
+        try:
+            out[r.name] = lv.image_levels(Path(root) / rel, lv.thumb_shape(r.height, r.width, thumb_size))
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+            log.warning("gallery: no regions at t for %s: %s is unreadable (%s)", r.name, rel, e)
+    return out
 
 
 def write_gallery(path: str | os.PathLike, records: Sequence[ImageRecord], **kwargs: Any) -> None:

@@ -66,7 +66,7 @@ from segment.methods.base import Method
 from segment.models.base import Backbone
 from segment.run.job import plan, shard, summary
 from segment.run.api.segmenter import Segmenter
-from segment.run.front.build import BuildError
+from segment.run.front.build import BuildError, build
 from segment.run.io import InputError, bundled_examples, no_images_message
 from segment.run.job.lock import FolderBusy, OutputLock
 from segment.run.api.render import single_threaded_rendering
@@ -152,7 +152,8 @@ class SegmentRun:
             if self.ctx.is_main and state.writing:
                 model_name, method_name = self._names()
                 summary.write_summary(state, self.settings, self.cfg, code,
-                                      model_name=model_name, method_name=method_name)
+                                      model_name=model_name, method_name=method_name,
+                                      default_level=self._default_level())
                 if state.fault is not None and code != EXIT_INTERRUPTED:
                     code = EXIT_FAILED
             self.lock.release()
@@ -250,6 +251,18 @@ class SegmentRun:
         method_name = (self.method.name if self.method is not None
                        else OmegaConf.select(self.cfg, "method.name", default="?"))
         return model_name, method_name
+
+    def _default_level(self) -> float | None:
+        """The method's default level of its hierarchy for the gallery's slider
+        (``Method.default_level``; from the config when the run built no method: nothing to
+        do, or it failed)."""
+        method = self.method
+        if method is None:
+            try:
+                method = build(self.cfg.method, Method, "the method")
+            except Exception:  # the run reports why it could not build it
+                return None
+        return method.default_level
 
 
 def run_segment(cfg: DictConfig, **kwargs: Any) -> int:

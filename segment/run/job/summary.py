@@ -66,10 +66,11 @@ def config_dict(cfg: DictConfig) -> Any:
 
 
 def write_summary(state: RunState, settings: RunSettings, cfg: DictConfig, code: int, *,
-                  model_name: str, method_name: str) -> None:
+                  model_name: str, method_name: str, default_level: float | None = None) -> None:
     """annotations.json, index.html and run.json from every record of this input; a file
     that cannot be written is noted in ``state`` (``unwritten``, ``fault``), and
-    ``state.gallery`` is set once index.html is written."""
+    ``state.gallery`` is set once index.html is written. ``default_level``: the method's
+    default threshold of its hierarchy (``Method.default_level``; the gallery's slider)."""
     ts = time.perf_counter()
     try:
         settings.out.mkdir(parents=True, exist_ok=True)
@@ -82,14 +83,16 @@ def write_summary(state: RunState, settings: RunSettings, cfg: DictConfig, code:
     ]
     ignored = [{"path": p, "reason": r} for p, r in state.ignored]
     if state.files:
-        _write_coco_and_gallery(state, settings, skipped, ignored, model_name=model_name, method_name=method_name)
+        _write_coco_and_gallery(state, settings, skipped, ignored, model_name=model_name, method_name=method_name,
+                                default_level=default_level)
     manifest = _manifest(state, settings, cfg, code, skipped=skipped, ignored=ignored, model_name=model_name,
                          method_name=method_name, started_s=ts)
     write_run_file(state, settings, "run.json", write_manifest, manifest)
 
 
 def _write_coco_and_gallery(state: RunState, settings: RunSettings, skipped: list[dict[str, str]],
-                            ignored: list[dict[str, str]], *, model_name: str, method_name: str) -> None:
+                            ignored: list[dict[str, str]], *, model_name: str, method_name: str,
+                            default_level: float | None = None) -> None:
     out = settings.out
     records = [state.records[f.name] for f in state.files if f.name in state.records]
     write_run_file(state, settings, "annotations.json", write_coco, records, info={
@@ -106,6 +109,7 @@ def _write_coco_and_gallery(state: RunState, settings: RunSettings, skipped: lis
             ("images", images_line(len(records), len(state.files), len(skipped), len(ignored))),
         ],
         thumb_size=settings.opts.thumb_size, colormap=settings.opts.colormap,
+        default_level=default_level,
     ):
         state.gallery = out / "index.html"
 
