@@ -692,7 +692,8 @@ class HierarchyResults:
         self.plot(out / "curves.png", title)
 
 
-def hierarchy_table(per_method: Mapping[str, Sequence[ImageScores]], default: float | None = None,
+def hierarchy_table(per_method: Mapping[str, Sequence[ImageScores]],
+                    default: float | Mapping[str, float | None] | None = None,
                     reps: int = 1000, seed: int = 0) -> HierarchyResults:
     """The ODS / OIS table and curves of every method's per-image scores.
 
@@ -700,7 +701,8 @@ def hierarchy_table(per_method: Mapping[str, Sequence[ImageScores]], default: fl
         per_method: method label -> its :class:`ImageScores`, one per image (the same
             thresholds for every image; the same images for every method, so the
             resamples are paired).
-        default: a threshold (among those scored) to report as the ``default`` level.
+        default: a threshold (among those scored) to report as the ``default`` level, or
+            one per method (by label; ``None``: no ``default`` row for that method).
         reps: bootstrap resamples (0: no intervals; none either for a single image).
         seed: seed of the resamples (:func:`segment.eval.metrics.resample_counts`).
 
@@ -717,7 +719,8 @@ def hierarchy_table(per_method: Mapping[str, Sequence[ImageScores]], default: fl
     res = HierarchyResults(task=task, thresholds=_same_thresholds(first, task))
     for label, images in per_method.items():
         fn = _region_rows if task == "regions" else _multiclass_rows
-        rows, curves = fn(label, images, default, int(reps), int(seed))
+        own = default.get(label) if isinstance(default, Mapping) else default
+        rows, curves = fn(label, images, own, int(reps), int(seed))
         res.rows += rows
         res.curves += curves
     return res

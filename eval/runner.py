@@ -311,8 +311,8 @@ def _table(job: ScoreJob, gathered: Gathered, indices: Sequence[int], scored_now
     if not tree_specs:
         return results, ""
     per = {s.label: [ImageScores.from_dict(per_image[i][tree_key(s.key)]) for i in indices] for s in tree_specs}
-    defaults = {default_threshold(s.method) for s in tree_specs}
-    tree = tree_table(per, defaults.pop() if len(defaults) == 1 else None, reps, int(job.cfg.get("seed") or 0),
+    defaults = {s.label: default_threshold(s.method) for s in tree_specs}  # each method its own
+    tree = tree_table(per, defaults, reps, int(job.cfg.get("seed") or 0),
                       job.out_dir, f"{type(dataset).__name__}, {len(indices)} images")
     return results, "\nEvery level (hierarchy/):\n\n" + tree.markdown()
 

@@ -76,7 +76,8 @@ def default_threshold(method: Method) -> float | None:
     return float(TREE_THRESHOLDS[np.isclose(TREE_THRESHOLDS, float(t), rtol=0, atol=1e-9)][0])
 
 
-def tree_table(per_method: Mapping[str, Sequence[ImageScores]], default: float | None, reps: int,
+def tree_table(per_method: Mapping[str, Sequence[ImageScores]],
+               default: float | Mapping[str, float | None] | None, reps: int,
                seed: int, out_dir: Path, title: str) -> HierarchyResults:
     """The hierarchy table of the methods' per-image scores, written to ``out_dir/hierarchy``."""
     res = hierarchy_table(per_method, default=default, reps=reps, seed=seed)

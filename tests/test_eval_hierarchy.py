@@ -500,3 +500,31 @@ def test_segment_eval_scores_the_levels_of_cuts_on_a_label_folder(tmp_path):
     tp, fp, fn = (np.asarray(x) for x in (summed.tp, summed.fp, summed.fn))
     assert rows["default"]["mIoU"] == pytest.approx(100 * float(miou_of_sums(tp, fp, fn)))
     assert rows["ODS"]["mIoU"] >= rows["default"]["mIoU"] - 1e-9
+
+
+def test_each_cuts_row_reports_the_level_at_its_own_escape(tmp_path):
+    """Two `cuts` rows with another `escape` each (one pass): each gets its `default` row at
+    its own threshold, equal to its curve's value there; ODS rows for both."""
+    import json
+
+    from test_eval import TINY, _save_png, cfg_for
+
+    from segment.eval.runner import EXIT_OK, run_eval
+
+    root = tmp_path / "set"
+    rng = np.random.default_rng(2)
+    for i in range(3):
+        _save_png(root / "images" / f"s{i}.png", rng.integers(0, 256, (30, 40, 3), dtype=np.uint8))
+        lab = np.repeat(rng.integers(0, 3, (3, 4)), 10, 0).repeat(10, 1).astype(np.uint8)
+        _save_png(root / "labels" / f"s{i}.png", lab)
+    out = tmp_path / "out"
+    cfg = cfg_for(*TINY, "method=cuts", "methods=[{config:cuts,name:cuts_e0.8,escape:0.8}]",
+                  "dataset=labels", f"dataset.root={root}", "dataset.num_classes=3",
+                  "model.image_size=[56,84]", "batch_size=3", f"output={out}", "panels=0",
+                  "bootstrap=0")
+    assert run_eval(cfg) == EXIT_OK
+    got = json.loads((out / "hierarchy" / "hierarchy.json").read_text())["rows"]
+    rows = {(r["method"], r["level"]): r for r in got}
+    assert set(rows) == {(m, lv) for m in ("cuts", "cuts_e0.8") for lv in ("default", "ODS")}
+    assert rows["cuts", "default"]["mIoU_t"] == pytest.approx(0.5)
+    assert rows["cuts_e0.8", "default"]["mIoU_t"] == pytest.approx(0.8)
