@@ -156,7 +156,9 @@ class Hierarchy:
                 halves come after it.
             parent: per node, the node it is a half of (``-1`` for node 0).
             ncut: per node, the NCut of its split (``None`` for a node not cut: a leaf).
-            affinity: ``(n, n)`` the image's symmetric ``W`` (for the escape probabilities).
+            affinity: ``(n, n)`` the image's symmetric ``W`` (for the escape probabilities:
+                the ``(L, L)`` flows between the leaves are summed in float64 on its device,
+                every node's escape follows from them on the CPU).
         """
         count = len(tokens)
         if not (len(parent) == len(ncut) == count) or parent[0] != -1:
@@ -198,10 +200,11 @@ class Hierarchy:
             raise ValueError("the leaves must partition the tokens")
         labels = torch.empty(n, dtype=torch.long)
         labels[flat[mine]] = of[mine]
-        # every node's flow W(A, B) from the leaves' flows: escape = W(A, A^c) / vol(A)
-        one = F.one_hot(labels, num).to(torch.float64)  # (n, L)
-        w = affinity.detach().to(device="cpu", dtype=torch.float64)
-        flow = (one.T @ w @ one).numpy()  # (L, L)
+        # every node's flow W(A, B) from the leaves' flows: escape = W(A, A^c) / vol(A). The
+        # leaf-by-leaf block sums in float64 on W's device; only the (L, L) result moves
+        one = F.one_hot(labels.to(affinity.device), num).to(torch.float64)  # (n, L)
+        w = affinity.detach().to(torch.float64)
+        flow = (one.T @ w @ one).cpu().numpy()  # (L, L)
         member = np.zeros((2 * num - 1, num))
         member[:num] = np.eye(num)
         for r, (a, b) in enumerate(children.tolist()):
