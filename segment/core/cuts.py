@@ -95,7 +95,7 @@ def reversibilise(chain: Tensor, pi: Tensor | None = None) -> Tensor:
     p = chain.to(dtype)
     pi = (markov.stationary(p) if pi is None else pi).to(p)
     flow = pi.unsqueeze(-1) * p  # (..., n, n) Pi P
-    return (flow + flow.transpose(-1, -2)) / 2
+    return (flow + flow.transpose(-1, -2)).div_(2)
 
 
 def escape_probabilities(affinity: Tensor, labels: Tensor, num: int | None = None) -> Tensor:
@@ -189,7 +189,8 @@ def _sweep_cuts(w: Tensor, size: Tensor, eigvec: Callable[[Tensor], Tensor] | No
     # token's weight to the tokens before it, b_i = sum_{rank j < rank i} W_ij, and W
     # symmetric, W(S_k, S_k) = sum over the first k + 1 tokens of 2 b_i + W_ii (one masked
     # pass over W instead of permuting it and two running sums over it)
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(m, device=dev).expand(r, m))
+    rank = torch.empty(r, m, dtype=torch.int32, device=dev).scatter_(
+        1, order, torch.arange(m, dtype=torch.int32, device=dev).expand(r, m))
     earlier = rank[:, None, :] < rank[:, :, None]  # (R, m, m): token j comes before token i
     b = torch.where(earlier, w, w.new_zeros(()), out=buf).sum(-1)
     del buf, earlier
