@@ -224,7 +224,7 @@ def test_row_times_is_each_row_vector_times_its_matrix():
 def test_a_level_that_does_not_fit_is_chunked_and_one_image_that_does_not_is_refused():
     w = torch.cat([planted_affinity(3, 40, 0.05, noise=0.3, seed=s) for s in range(3)])
     n = w.shape[-1]
-    assert cuts.cut_peak_bytes(n, 3) == 3 * cuts.cut_peak_bytes(n) == 3 * 30 * n * n
+    assert cuts.cut_peak_bytes(n, 3) == 3 * cuts.cut_peak_bytes(n) == 3 * cuts.CUT_BYTES_PER_ENTRY * n * n
     batches = []
 
     def eig(sym):

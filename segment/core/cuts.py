@@ -95,7 +95,7 @@ def reversibilise(chain: Tensor, pi: Tensor | None = None) -> Tensor:
     p = chain.to(dtype)
     pi = (markov.stationary(p) if pi is None else pi).to(p)
     flow = pi.unsqueeze(-1) * p  # (..., n, n) Pi P
-    return (flow + flow.transpose(-1, -2)) / 2
+    return (flow + flow.transpose(-1, -2)).div_(2)
 
 
 def escape_probabilities(affinity: Tensor, labels: Tensor, num: int | None = None) -> Tensor:
@@ -156,24 +156,44 @@ def best_cuts(affinity: Tensor, size: Tensor,
     size = size.to(dev)
     if bool((size < 2).any()) or bool((size > m).any()):
         raise ValueError("a cut needs at least 2 tokens")
+    w = affinity.to(torch.float64, memory_format=torch.contiguous_format)
+    if bool((size < m).any()):  # the padding zeroed (out of place: w may be the input)
+        real = torch.arange(m, device=dev)[None, :] < size[:, None]
+        w = torch.where(real[:, :, None] & real[:, None, :], w, 0.0)
+    return _sweep_cuts(w, size, eigvec)
+
+
+def _sweep_cuts(w: Tensor, size: Tensor, eigvec: Callable[[Tensor], Tensor] | None
+                ) -> tuple[Tensor, Tensor]:
+    """:func:`best_cuts` of ``w``: ``(R, m, m)`` contiguous float64, zero outside each chain's
+    leading ``size[r]`` block (what :func:`_cut_levels` builds); ``w`` is not changed.
+
+    The float64 passes over the ``m x m`` entries: the degrees, the normalisation
+    ``s W s`` (one float64 buffer, multiplied in place, then rounded to float32 for the
+    eigensolver) and the sweep's masked pass (into the same buffer): no other ``(R, m, m)``
+    float64 temporary."""
+    r, m, _ = w.shape
+    dev = w.device
     real = torch.arange(m, device=dev)[None, :] < size[:, None]  # (R, m)
-    both = real[:, :, None] & real[:, None, :]
-    w = torch.where(both, affinity.to(torch.float64), 0.0)
     d = w.sum(-1)
     s = torch.where(real, d.clamp_min(1e-300).rsqrt(), 0.0)
-    sym = (s[:, :, None] * w * s[:, None, :]).to(torch.float32)
+    buf = torch.mul(s[:, :, None], w)
+    sym = buf.mul_(s[:, None, :]).to(torch.float32)
     sym.diagonal(dim1=1, dim2=2).masked_fill_(~real, -2.0)  # padding: eigenvalue -2
     # the largest eigenvector is sqrt(d) / |sqrt(d)|; the second orders the tokens
     u = (second_eigenvectors if eigvec is None else eigvec)(sym)
+    del sym
     v = torch.where(real, u.to(device=dev, dtype=torch.float64) * s, float("inf"))
     order = torch.argsort(v, dim=1)  # padding last
     # W(S_k, S_k) of the prefixes S_k (the first k + 1 tokens of the order): with each
     # token's weight to the tokens before it, b_i = sum_{rank j < rank i} W_ij, and W
     # symmetric, W(S_k, S_k) = sum over the first k + 1 tokens of 2 b_i + W_ii (one masked
     # pass over W instead of permuting it and two running sums over it)
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(m, device=dev).expand(r, m))
+    rank = torch.empty(r, m, dtype=torch.int32, device=dev).scatter_(
+        1, order, torch.arange(m, dtype=torch.int32, device=dev).expand(r, m))
     earlier = rank[:, None, :] < rank[:, :, None]  # (R, m, m): token j comes before token i
-    b = torch.where(earlier, w, 0.0).sum(-1)
+    b = torch.where(earlier, w, w.new_zeros(()), out=buf).sum(-1)
+    del buf, earlier
     inside = (2 * b + w.diagonal(dim1=1, dim2=2)).gather(1, order).cumsum(1)
     vol = d.gather(1, order).cumsum(1)
     total = vol[:, -1:]
@@ -188,17 +208,19 @@ def best_cuts(affinity: Tensor, size: Tensor,
     return ncut.gather(1, j[:, None])[:, 0], side
 
 
-# bytes per entry of a padded (R, m, m) batch at the peak of best_cuts, the normalisation
-# s W s: the input (4, float32), the padding mask (1), W in float64 (8) and the two float64
-# products (2 x 8): 29; the sweep after it holds less (W, S in float32, a mask and one
-# float64 pass: 26). eval/bench/cutmem.py: 1.00-1.05 of 29 at 2,304 and 4,096 tokens; 30
-# leaves the rounding of the allocator a margin
-CUT_BYTES_PER_ENTRY = 30
+# bytes per entry of a padded (R, m, m) batch at the peak of the cuts, the normalisation
+# s W s: the padded chains in float64 (8), the float64 buffer of s W s (8) and its float32
+# copy for the eigensolver (4): 20; the sweep after it holds less (the chains, the buffer
+# reused by the masked pass and its mask: 17). eval/bench/cutmem.py (2026-12-07): 18.0-21.8
+# measured at 2,304 and 4,096 tokens (the Lanczos workspace and the allocator on top); 23
+# leaves a margin. At 1,024 tokens the fixed workspace makes it 24.5-26 (a few MiB in all)
+CUT_BYTES_PER_ENTRY = 23
 
 
 def cut_peak_bytes(m: int, regions: int = 1) -> int:
-    """The predicted peak memory (bytes) of :func:`best_cuts` on ``regions`` chains padded to
-    ``m`` tokens (the dense eigensolvers add their ``(m, m)`` workspace per matrix on top;
+    """The predicted peak memory (bytes) of one batch of the recursive cuts
+    (:func:`recursive_ncut`, :func:`cut_tree`) of ``regions`` chains padded to ``m`` tokens,
+    above the image's ``W`` (the dense eigensolvers add their ``(m, m)`` workspace per matrix on top;
     the Krylov one ``O(m)`` per matrix)."""
     return CUT_BYTES_PER_ENTRY * int(regions) * int(m) ** 2
 
@@ -275,6 +297,7 @@ def _cut_levels(affinity: Tensor, todo: list[_Open], bucket: int,
     batch that would need more than ``memory_limit`` bytes is cut in chunks (:func:`_fitting`).
     """
     dev = affinity.device
+    n = affinity.shape[-1]
     while todo:
         todo.sort(key=lambda t: -len(t.tokens))
         cand = select(todo)
@@ -284,12 +307,17 @@ def _cut_levels(affinity: Tensor, todo: list[_Open], bucket: int,
             groups.setdefault((c.batch, -(-len(c.tokens) // bucket)), []).append(c)
         for group in [part for g in groups.values() for part in _fitting(g, memory_limit)]:
             m = max(len(c.tokens) for c in group)
-            pad = torch.zeros(len(group), m, m, dtype=affinity.dtype, device=dev)
+            # the regions' chains in float64, zero-padded (what the sweep reads); a whole
+            # image is its W as it is, no gather
+            pad = torch.empty(len(group), m, m, dtype=torch.float64, device=dev)
             for g, c in enumerate(group):
-                pad[g, : len(c.tokens), : len(c.tokens)] = affinity[c.image][c.tokens[:, None],
-                                                                              c.tokens]
+                k = len(c.tokens)
+                pad[g, :k, :k] = (affinity[c.image] if k == n else
+                                  affinity[c.image][c.tokens[:, None], c.tokens])
+                pad[g, :k, k:] = 0
+                pad[g, k:] = 0
             sizes = torch.tensor([len(c.tokens) for c in group], device=dev)
-            ncut, side = best_cuts(pad, sizes, eigvec)
+            ncut, side = _sweep_cuts(pad, sizes, eigvec)
             values = ncut.tolist()  # the batch's host sync
             for g, c in enumerate(group):
                 todo += settle(c, values[g], side[g, : len(c.tokens)])

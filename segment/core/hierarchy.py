@@ -156,7 +156,9 @@ class Hierarchy:
                 halves come after it.
             parent: per node, the node it is a half of (``-1`` for node 0).
             ncut: per node, the NCut of its split (``None`` for a node not cut: a leaf).
-            affinity: ``(n, n)`` the image's symmetric ``W`` (for the escape probabilities).
+            affinity: ``(n, n)`` the image's symmetric ``W`` (for the escape probabilities:
+                the ``(L, L)`` flows between the leaves are summed in float64 on its device,
+                every node's escape follows from them on the CPU).
         """
         count = len(tokens)
         if not (len(parent) == len(ncut) == count) or parent[0] != -1:
@@ -198,10 +200,11 @@ class Hierarchy:
             raise ValueError("the leaves must partition the tokens")
         labels = torch.empty(n, dtype=torch.long)
         labels[flat[mine]] = of[mine]
-        # every node's flow W(A, B) from the leaves' flows: escape = W(A, A^c) / vol(A)
-        one = F.one_hot(labels, num).to(torch.float64)  # (n, L)
-        w = affinity.detach().to(device="cpu", dtype=torch.float64)
-        flow = (one.T @ w @ one).numpy()  # (L, L)
+        # every node's flow W(A, B) from the leaves' flows: escape = W(A, A^c) / vol(A). The
+        # leaf-by-leaf block sums in float64 on W's device; only the (L, L) result moves
+        one = F.one_hot(labels.to(affinity.device), num).to(torch.float64)  # (n, L)
+        w = affinity.detach().to(torch.float64)
+        flow = (one.T @ w @ one).cpu().numpy()  # (L, L)
         member = np.zeros((2 * num - 1, num))
         member[:num] = np.eye(num)
         for r, (a, b) in enumerate(children.tolist()):
@@ -378,25 +381,34 @@ def descend(tree: Hierarchy, t: float, region: Tensor, mass: Tensor, first_mass:
                          f"({region.numel()},), got {tuple(first_mass.shape)} and "
                          f"{tuple(mass.shape)}")
     dev = region.device
-    nodes = tree.level(t).nodes.to(dev)
+    nodes = tree.level(t).nodes
     if region.numel() and (int(region.min()) < 0 or int(region.max()) >= len(nodes)):
         raise ValueError(f"region must hold the {len(nodes)} region ids of the level at {t}")
-    children = tree.children.to(dev)
-    chan = torch.full((2 * num - 1,), -1, dtype=torch.long, device=dev)
-    chan[num + rows.to(dev)] = torch.arange(len(rows), device=dev)
-    node = nodes[region]
-    mass = mass.clone()
-    pix = torch.arange(region.numel(), device=dev)
-    for _ in range(tree.depth):
-        split = torch.nonzero(node >= num)[:, 0]
-        if not split.numel():
-            break
-        at = node[split]
-        m0 = first_mass[chan[at], pix[split]]
-        m1 = mass[split] - m0
+    node = nodes.to(dev)[region]  # (P,): final for the pixels of a region that is a leaf
+    if not len(rows) or not region.numel():
+        return node
+    # each split's pixels as an index set, handed down to its two children: every pixel
+    # takes part only in the splits on its own path (no pass over all pixels per depth)
+    chan = {num + r: c for c, r in enumerate(rows.tolist())}
+    children = tree.children.tolist()
+    order = torch.argsort(region, stable=True)
+    sets = torch.split(order, torch.bincount(region, minlength=len(nodes)).tolist())
+    todo = [(x, pix, mass.index_select(0, pix)) for x, pix in zip(nodes.tolist(), sets)
+            if x >= num and pix.numel()]
+    while todo:
+        x, pix, m = todo.pop()
+        m0 = first_mass[chan[x]].index_select(0, pix)
+        m1 = m - m0
         first = m0 >= m1
-        node[split] = torch.where(first, children[at - num, 0], children[at - num, 1])
-        mass[split] = torch.where(first, m0, m1)
+        for child, keep, cm in ((children[x - num][0], first, m0),
+                                (children[x - num][1], ~first, m1)):
+            sub = pix[keep]
+            if not sub.numel():
+                continue
+            if child >= num:
+                todo.append((child, sub, cm[keep]))
+            else:
+                node.index_fill_(0, sub, child)
     return node
 
 

@@ -190,11 +190,12 @@ class EscapeCuts(FusesHeads):
         trees = cuts.cut_tree(w_aff, min_tokens=self.min_tokens(w_aff.shape[-1]),
                               tau=tau, eigvec=eigvec,
                               memory_limit=backends.memory_budget(w_aff.device))
-        # the level at escape: recursive_ncut(W, escape)'s partition, numbering included
-        part_labels = torch.stack([t.labels_at(tau) for t in trees])  # (B, n)
-        counts = [t.count_at(tau) for t in trees]
+        # the level at escape: recursive_ncut(W, escape)'s partition, numbering included,
+        # with its regions' escape probabilities (the tree's, float64: no pass over W)
+        levels = [t.level(tau) for t in trees]
+        part_labels = torch.stack([lv.labels for lv in levels])  # (B, n)
+        counts = [len(lv.nodes) for lv in levels]
         k = max(counts)
-        esc = cuts.escape_probabilities(w_aff, part_labels, k)
         b = part_labels.shape[0]
         h, w = record.layout.grid
         grid_prob = F.one_hot(part_labels, k).to(torch.float32)
@@ -219,5 +220,6 @@ class EscapeCuts(FusesHeads):
                      else own.new_zeros(0, region.numel()))
             leaves[i] = descend(t, tau, region, own, first).view_as(got.hard[i])
         return MethodOutput(heatmap=heat, labels=labels, foreground=foreground,
-                            escape=[esc[i, : counts[i]].to(labels.device) for i in range(b)],
+                            escape=[lv.escape.to(device=labels.device, dtype=torch.float32)
+                                    for lv in levels],
                             hierarchy=trees, leaves=leaves)
