@@ -52,8 +52,11 @@ class EscapeCuts(FusesHeads):
        is thus the union of the foreground regions.
 
     Per image, each region's escape probability on the whole chain (of the token partition,
-    before refinement) is ``MethodOutput.escape``; ``segment`` writes it into the image's
-    record and the API's ``Result.escape``.
+    before refinement and components; the tree's ``Level.escape``) is
+    ``MethodOutput.escape`` (``segment-eval``'s ``escape_median``). What ``segment`` writes
+    per label id (records, ``run.json``, ``annotations.json``, ``Result.region_escape`` and
+    ``region_height``) is each component's token region's values
+    (:meth:`segment.core.hierarchy.Hierarchy.label_values`).
 
     **Every level** (``MethodOutput.hierarchy``, ``MethodOutput.leaves``): the cuts go on
     past ``escape`` down to a floor (:func:`segment.core.cuts.cut_tree`: a region of fewer
