@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +36,9 @@ def find_weights(path: str | None) -> Path | None:
     shared = os.environ.get("SEGMENT_SHARED")
     if shared and (Path(shared) / "weights" / "dinov2_vits14.safetensors").is_file():
         return Path(shared) / "weights" / "dinov2_vits14.safetensors"
+    print("bench: no weights (--weights PATH, or SEGMENT_SHARED with weights/"
+          "dinov2_vits14.safetensors): a randomly initialised model, whose chains are not the"
+          " trained model's (region-stage times differ)", file=sys.stderr)
     return None
 
 
