@@ -242,8 +242,9 @@ def test_escape_cuts_refuse_bad_settings():
 
 
 def test_cuts_end_to_end_write_the_escape_of_every_region(tmp_path):
-    """method=cuts through the command (records/<name>.json) and the API (Result.escape),
-    on the tiny random ViT: the same partition, its escape probabilities in [0, 1]."""
+    """method=cuts through the command (records/<name>.json, run.json) and the API
+    (Result.region_escape), on the tiny random ViT: one escape probability in [0, 1] per
+    label id, the same in each."""
     import json
 
     import timm
@@ -266,22 +267,26 @@ def test_cuts_end_to_end_write_the_escape_of_every_region(tmp_path):
                       f"model.checkpoint='{ckpt}'")
     assert run_segment(cfg) == 0
     rec = json.loads((out / "records" / "x.json").read_text())
-    assert rec["escape"] and all(0.0 <= e <= 1.0 for e in rec["escape"])
-    # run.json: per image, the regions of its label map and the escape of each cut region
+    labels = np.asarray(Image.open(out / "labels" / "x.png"))
+    # one height and one escape per label id, aligned with the ids, escapes in [0, 1]
+    assert len(rec["region_escape"]) == len(rec["region_height"]) == int(labels.max()) + 1
+    assert all(0.0 <= e <= 1.0 for e in rec["region_escape"] if e is not None)
+    # run.json: per image, the regions of its label map and each region's values
     [img] = json.loads((out / "run.json").read_text())["images"]
-    assert img["status"] == "done" and img["escape"] == rec["escape"]
+    assert img["status"] == "done" and img["region_escape"] == rec["region_escape"]
     assert img["regions"] == rec["num_regions"] >= 1
     assert run_segment(cfg) == 0  # resumed: the same, read back from the record
     [img] = json.loads((out / "run.json").read_text())["images"]
-    assert img["status"] == "resumed" and img["escape"] == rec["escape"]
+    assert img["status"] == "resumed" and img["region_escape"] == rec["region_escape"]
     assert img["regions"] == rec["num_regions"]
     res = segment.load("vit_tiny_random", "cuts", device="cpu", image_size=[56, 84],
                        checkpoint=str(ckpt))(Image.open(src / "x.png"))
-    assert res.escape == rec["escape"]
+    assert np.allclose(res.region_escape, np.array(rec["region_escape"], dtype=float),
+                       atol=1e-6, equal_nan=True)
     assert res.labels is not None and res.labels.shape == (56, 84)
     # a heatmap method has none
     assert segment.load("vit_tiny_random", "cls_attention", device="cpu",
-                        image_size=56)(Image.open(src / "x.png")).escape is None
+                        image_size=56)(Image.open(src / "x.png")).region_escape is None
 
 
 @pytest.mark.shared

@@ -460,23 +460,30 @@ def test_segment_eval_scores_every_level_of_cuts_from_one_pass(tmp_path):
     assert json.loads((out / "hierarchy" / "hierarchy.json").read_text()) == got
 
 
+def _label_folder(root, seed):
+    """Three random 30 x 40 photos with 3-class label maps of 10-px blocks (a label folder)."""
+    from test_eval import _save_png
+
+    rng = np.random.default_rng(seed)
+    for i in range(3):
+        _save_png(root / "images" / f"s{i}.png", rng.integers(0, 256, (30, 40, 3), dtype=np.uint8))
+        lab = np.repeat(rng.integers(0, 3, (3, 4)), 10, 0).repeat(10, 1).astype(np.uint8)
+        _save_png(root / "labels" / f"s{i}.png", lab)
+    return root
+
+
 def test_segment_eval_scores_the_levels_of_cuts_on_a_label_folder(tmp_path):
     """dataset=labels (multi-class): the hierarchy table holds the default level and the ODS
     (mIoU) only, the default level's mIoU that of the tree's level at escape by hand."""
     import json
 
-    from test_eval import TINY, _save_png, cfg_for
+    from test_eval import TINY, cfg_for
 
     from segment.core.masks import labels_at
     from segment.eval.runner import EXIT_OK, run_eval
     from segment.eval.specs import instantiate_method, resolve_methods
 
-    root = tmp_path / "set"
-    rng = np.random.default_rng(1)
-    for i in range(3):
-        _save_png(root / "images" / f"s{i}.png", rng.integers(0, 256, (30, 40, 3), dtype=np.uint8))
-        lab = np.repeat(rng.integers(0, 3, (3, 4)), 10, 0).repeat(10, 1).astype(np.uint8)
-        _save_png(root / "labels" / f"s{i}.png", lab)
+    root = _label_folder(tmp_path / "set", seed=1)
     out = tmp_path / "out"
     cfg = cfg_for(*TINY, "method=cuts", "dataset=labels", f"dataset.root={root}", "dataset.num_classes=3",
                   "model.image_size=[56,84]", "batch_size=2", f"output={out}", "panels=0", "bootstrap=0")
@@ -507,16 +514,11 @@ def test_each_cuts_row_reports_the_level_at_its_own_escape(tmp_path):
     its own threshold, equal to its curve's value there; ODS rows for both."""
     import json
 
-    from test_eval import TINY, _save_png, cfg_for
+    from test_eval import TINY, cfg_for
 
     from segment.eval.runner import EXIT_OK, run_eval
 
-    root = tmp_path / "set"
-    rng = np.random.default_rng(2)
-    for i in range(3):
-        _save_png(root / "images" / f"s{i}.png", rng.integers(0, 256, (30, 40, 3), dtype=np.uint8))
-        lab = np.repeat(rng.integers(0, 3, (3, 4)), 10, 0).repeat(10, 1).astype(np.uint8)
-        _save_png(root / "labels" / f"s{i}.png", lab)
+    root = _label_folder(tmp_path / "set", seed=2)
     out = tmp_path / "out"
     cfg = cfg_for(*TINY, "method=cuts", "methods=[{config:cuts,name:cuts_e0.8,escape:0.8}]",
                   "dataset=labels", f"dataset.root={root}", "dataset.num_classes=3",
