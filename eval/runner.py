@@ -241,8 +241,8 @@ def _check_eigen(cfg: DictConfig, specs: Sequence[MethodSpec]) -> None:
                           f" device's), got {eigen!r}")
     if not any(s.method.takes_eigen for s in specs if s.method is not None):
         raise ConfigError(f"eigen={eigen} has no effect: no method of this run cuts a chain"
-                          f" ({', '.join(s.label for s in specs)}); it sets method=cuts'"
-                          " eigensolver")
+                          f" ({', '.join(s.label for s in specs)}); eigen sets the eigensolver"
+                          " of method=cuts")
 
 
 def _read_cache(job: ScoreJob, names: Sequence[str], mine: Sequence[int]) -> list[int]:
