@@ -43,6 +43,7 @@ from torch import Tensor
 from segment.core import cuts, lanczos
 from segment.core.regions import absorb_small, number_components, relabel
 from segment.core.stages import Components
+from segment.utils import set_thread_torch_threads
 
 __all__ = [
     "ComponentsBackend",
@@ -309,7 +310,7 @@ def map_images(fn: Callable[[int], np.ndarray], n: int) -> list[np.ndarray]:
     pool = _POOLS.get(key)
     if pool is None:
         pool = _POOLS[key] = ThreadPoolExecutor(threads, thread_name_prefix="segment-regions",
-                                                initializer=torch.set_num_threads, initargs=(1,))
+                                                initializer=set_thread_torch_threads, initargs=(1,))
     return list(pool.map(fn, range(n)))
 
 

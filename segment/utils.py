@@ -52,6 +52,17 @@ _TMP_TAG = secrets.token_hex(4)
 _TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
 
 
+def set_thread_torch_threads(n: int) -> None:
+    """This thread's torch thread count set to ``n`` (a thread pool's ``initializer``).
+
+    Torch initialises a thread's count lazily, at its first ``get_num_threads`` or parallel
+    op, to the count last set by *any* thread; a pool thread that only called
+    ``set_num_threads(n)`` would take another thread's later setting at that first use.
+    So the lazy initialisation runs first, then ``n`` is set."""
+    torch.get_num_threads()
+    torch.set_num_threads(n)
+
+
 @contextlib.contextmanager
 def torch_threads(n: int) -> Iterator[None]:
     """This thread's torch thread count set to ``n`` for the duration (restored after)."""

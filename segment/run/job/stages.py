@@ -43,7 +43,7 @@ from segment.run.job.manifest import ImageStatus
 from segment.run.job.records import ImageRecord, OutputWriteError, write_image
 from segment.run.job.plan import Item
 from segment.run.job.state import RunState
-from segment.utils import unwrap_instantiation
+from segment.utils import set_thread_torch_threads, unwrap_instantiation
 
 __all__ = ["ModelFailed", "OutputFault", "StageRunner", "StageSettings", "describe"]
 
@@ -140,12 +140,13 @@ class StageRunner:
         # in one thread is also the default of the threads that start later): their work is
         # decoding, resizing and encoding, and a torch pool per writer only adds threads
         # next to the forward. The files are the same at any thread count
-        one = dict(initializer=torch.set_num_threads, initargs=(1,))
+        one = dict(initializer=set_thread_torch_threads, initargs=(1,))
         self.loader = ThreadPoolExecutor(nw, thread_name_prefix="segment-read", **one)
         self.writer = ThreadPoolExecutor(nw, thread_name_prefix="segment-write", **one)
         # one method thread, on the run's torch threads: the method of batch i runs while the
         # main thread extracts batch i + 1; one method at a time, so at most two records are held
-        self.methods = ThreadPoolExecutor(1, thread_name_prefix="segment-method", initializer=torch.set_num_threads,
+        self.methods = ThreadPoolExecutor(1, thread_name_prefix="segment-method",
+                                          initializer=set_thread_torch_threads,
                                           initargs=(torch.get_num_threads(),))
         try:
             with logging_redirect_tqdm():
