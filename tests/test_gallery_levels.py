@@ -23,7 +23,7 @@ from test_gallery_browser import CHROMIUM, _chromium, probe_result
 from test_golden import GOLDEN
 
 from segment.core.hierarchy import Hierarchy
-from segment.run.api.render import thumbnail
+from segment.run.api.render import thumb_shape, thumbnail
 from segment.run.job import hierarchy_files
 from segment.run.job.gallery import render_gallery
 from segment.run.job.gallery_levels import (
@@ -32,7 +32,6 @@ from segment.run.job.gallery_levels import (
     encode_leaf_map,
     image_levels,
     thresholds,
-    thumb_shape,
 )
 
 TINY = GOLDEN / "vit_tiny_fixed.safetensors"

@@ -271,13 +271,22 @@ def label_image(labels: np.ndarray, k: int) -> Image.Image:
     return Image.fromarray(np.ascontiguousarray(labels, dtype=np.uint16))  # mode I;16
 
 
-def thumbnail(rgb: np.ndarray, size: int) -> np.ndarray:
-    """Shrink ``(H, W, 3)`` (or grey ``(H, W)``) so the longest side is at most ``size`` (area interpolation)."""
-    h, w = rgb.shape[:2]
-    s = size / max(h, w)
+def thumb_shape(height: int, width: int, size: int) -> tuple[int, int]:
+    """``(h, w)`` of the thumbnail of a ``height x width`` image: the longest side at most
+    ``size``, the aspect kept (what :func:`thumbnail` makes; the gallery's canvases too)."""
+    s = size / max(height, width)
     if s >= 1.0:
+        return int(height), int(width)
+    return max(1, round(height * s)), max(1, round(width * s))
+
+
+def thumbnail(rgb: np.ndarray, size: int) -> np.ndarray:
+    """Shrink ``(H, W, 3)`` (or grey ``(H, W)``) to :func:`thumb_shape` (area interpolation)."""
+    h, w = rgb.shape[:2]
+    th, tw = thumb_shape(h, w, size)
+    if (th, tw) == (h, w):
         return rgb
-    return cv2.resize(rgb, (max(1, round(w * s)), max(1, round(h * s))), interpolation=cv2.INTER_AREA)
+    return cv2.resize(rgb, (tw, th), interpolation=cv2.INTER_AREA)
 
 
 @contextlib.contextmanager

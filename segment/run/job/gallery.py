@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from segment.run.api.render import colormap_lut, palette
+from segment.run.api.render import colormap_lut, palette, thumb_shape
 from segment.run.job import gallery_levels as lv
 from segment.run.job.coco import FOREGROUND_ID
 from segment.run.job.records import ImageRecord
@@ -228,7 +228,7 @@ def _levels(root: str | os.PathLike, records: Sequence[ImageRecord],
         if rel is None:
             continue
         try:
-            out[r.name] = lv.image_levels(Path(root) / rel, lv.thumb_shape(r.height, r.width, thumb_size))
+            out[r.name] = lv.image_levels(Path(root) / rel, thumb_shape(r.height, r.width, thumb_size))
         except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
             log.warning("gallery: no regions at t for %s: %s is unreadable (%s)", r.name, rel, e)
     return out

@@ -11,7 +11,8 @@ script never reads a local file or the pixels of an ``<img>``.
 
 Per image the page holds (:func:`image_levels`):
 
-    w, h       the canvas size: the thumbnail's (``render.thumb_size``, :func:`thumb_shape`)
+    w, h       the canvas size: the thumbnail's (``render.thumb_size``,
+               :func:`segment.run.api.render.thumb_shape`)
     leaves     every thumbnail pixel's leaf: the ``.npz``'s ``leaves`` resized to ``(h, w)``
                by nearest neighbour (OpenCV's rule, as ``gallery/labels/`` is), coded by
                :func:`encode_leaf_map`
@@ -49,20 +50,11 @@ import numpy as np
 from segment.run.job.hierarchy_files import load_hierarchy
 
 __all__ = ["GRID", "decode_leaf_map", "encode_leaf_map", "image_levels", "levels_script",
-           "levels_cell", "levels_header", "start_index", "thresholds", "thumb_shape", "LEVELS_CSS",
+           "levels_cell", "levels_header", "start_index", "thresholds", "LEVELS_CSS",
            "LEVELS_LEGEND"]
 
 # the slider's thresholds: 0.02 .. 2.00 in steps of 0.02 (segment-eval's grid)
 GRID = tuple(round(0.02 * k, 2) for k in range(1, 101))
-
-
-def thumb_shape(height: int, width: int, size: int) -> tuple[int, int]:
-    """``(h, w)`` of the gallery thumbnail of an ``height x width`` image whose longest side
-    becomes at most ``size`` (:func:`segment.run.api.render.thumbnail`'s rule)."""
-    s = size / max(height, width)
-    if s >= 1.0:
-        return int(height), int(width)
-    return max(1, round(height * s)), max(1, round(width * s))
 
 
 def _varints(values: Sequence[int]) -> bytes:
