@@ -25,6 +25,17 @@ def planted_affinity(k: int, m: int, eps: float, noise: float = 0.0, seed: int =
     return w.unsqueeze(0)
 
 
+def padded_batch(ws: list[torch.Tensor], fill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chains of different sizes padded into one ``(R, m, m)`` float64 batch, as the
+    recursive cuts batch a level's regions (the padding rows hold ``fill``), and their sizes."""
+    m = max(w.shape[0] for w in ws)
+    pad = torch.zeros(len(ws), m, m, dtype=torch.float64)
+    for r, w in enumerate(ws):
+        pad[r, : w.shape[0], : w.shape[0]] = w
+        pad[r, w.shape[0]:, :] = fill
+    return pad, torch.tensor([w.shape[0] for w in ws])
+
+
 def same_partition(a: torch.Tensor, b: torch.Tensor) -> bool:
     fwd, back = {}, {}
     for x, y in zip(a.flatten().tolist(), b.flatten().tolist()):
@@ -324,12 +335,8 @@ def test_padded_batched_cuts_equal_each_chain_cut_alone():
     ws = [planted_affinity(2, 5, 0.1, noise=0.05, seed=1)[0],
           planted_affinity(3, 4, 0.2, noise=0.05, seed=2)[0],
           planted_affinity(2, 9, 0.05, noise=0.05, seed=3)[0]]
-    m = max(w.shape[0] for w in ws)
-    pad = torch.zeros(len(ws), m, m, dtype=torch.float64)
-    for r, w in enumerate(ws):
-        pad[r, : w.shape[0], : w.shape[0]] = w
-        pad[r, w.shape[0]:, :] = 7.0  # whatever the padding holds is ignored
-    ncut, side = cuts.best_cuts(pad, torch.tensor([w.shape[0] for w in ws]))
+    pad, size = padded_batch(ws, fill=7.0)  # whatever the padding holds is ignored
+    ncut, side = cuts.best_cuts(pad, size)
     for r, w in enumerate(ws):
         alone, one = cuts.best_cut(w)
         assert float(ncut[r]) == pytest.approx(alone, abs=1e-9)

@@ -10,7 +10,7 @@ import torch
 
 from segment import backends
 from segment.core import cuts, lanczos
-from tests.test_cuts import planted_affinity, same_partition
+from tests.test_cuts import padded_batch, planted_affinity, same_partition
 
 
 def normalized(w: torch.Tensor) -> torch.Tensor:
@@ -51,11 +51,7 @@ def test_planted_blocks_krylov_vector_gives_the_dense_cut():
     ws = [planted_affinity(2, 90, 0.05, noise=0.5, seed=1)[0],
           planted_affinity(3, 50, 0.1, noise=0.5, seed=2)[0],
           planted_affinity(4, 40, 0.02, noise=0.5, seed=3)[0]]
-    m = max(w.shape[0] for w in ws)
-    pad = torch.zeros(len(ws), m, m, dtype=torch.float64)
-    for r, w in enumerate(ws):
-        pad[r, : w.shape[0], : w.shape[0]] = w
-    size = torch.tensor([w.shape[0] for w in ws])
+    pad, size = padded_batch(ws)
     nd, sd = cuts.best_cuts(pad, size)
     nk, sk = cuts.best_cuts(pad, size, eigvec=lanczos.second_eigenvectors)
     for r in range(len(ws)):
