@@ -4,26 +4,44 @@ clear reason when it is absent, so a user's checkout still passes."""
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import time
-from collections.abc import Callable
-from pathlib import Path
 
-import numpy as np
-import pytest
-import torch
-from PIL import Image
+# Thread settings first, before numpy, SciPy or torch load (their BLAS and OpenMP pools read
+# the environment once, when they start). pytest-xdist runs N workers side by side: each
+# (and every command a test starts, which inherits the environment) gets its share of the
+# cores, not all of them. A value the caller set is kept (`OMP_NUM_THREADS=1 pytest` runs
+# everything on one thread); one this file set in xdist's controller, which the workers
+# inherit, is recomputed in each worker (`_SEGMENT_TEST_THREADS` marks it as ours).
+_ours = os.environ.get("_SEGMENT_TEST_THREADS")
+if "OMP_NUM_THREADS" not in os.environ or os.environ["OMP_NUM_THREADS"] == _ours:
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    _n = str(max(1, (os.cpu_count() or 1) // _workers))
+    os.environ["OMP_NUM_THREADS"] = os.environ["_SEGMENT_TEST_THREADS"] = _n
+    for _var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[_var] = _n
+else:
+    for _var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, os.environ["OMP_NUM_THREADS"])
 
-# pytest-xdist runs N workers side by side: each (and every command a test starts, through
-# OMP_NUM_THREADS) gets its share of the cores, not all of them (N workers each using every
-# core made the eigen-solver tests 3x slower on 2 cores). A value the caller set is kept.
-_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
-_threads = max(1, (os.cpu_count() or 1) // _workers)
-os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+import json  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """The machine a run's numbers come from: CPU kernels and threads (in the header)."""
+    return (f"threads: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, torch {torch.get_num_threads()};"
+            f" ATen CPU capability: {torch.backends.cpu.get_cpu_capability()}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

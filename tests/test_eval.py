@@ -647,10 +647,13 @@ def test_torchrun_two_ranks_equal_one(folder, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     one = tmp_path / "one"
     two = tmp_path / "two"
-    # the single process: this one (the config composed as the command composes it)
+    # the single process: this one (the config composed as the command composes it), at the
+    # ranks' thread count, so that the test compares sharding and nothing else
     from segment.run.front.compose import compose as compose_command
+    from segment.utils import torch_threads
 
-    assert run_eval(compose_command("segment-eval", [*args, f"output={one}"])) == EXIT_OK
+    with torch_threads(1):
+        assert run_eval(compose_command("segment-eval", [*args, f"output={one}"])) == EXIT_OK
     r2 = subprocess.run(
         [torchrun, "--nnodes=1", "--nproc_per_node=2", f"--master_port={_free_port()}",
          "-m", "segment.eval", *args, f"output={two}"],
