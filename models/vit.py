@@ -3,8 +3,9 @@
 One class, :class:`TimmViT`, serves every timm ``VisionTransformer``: the architecture is a
 timm model name, the weights come from the hub (``pretrained=true``) or from a local file
 (``checkpoint=PATH``), and attention is captured with forward hooks on each selected block's
-``attn.attn_drop`` (the module timm applies to the softmax probabilities), with fused
-attention turned off for those blocks only (hooks never fire on the fused path).
+``attn.q_norm`` and ``attn.k_norm``: the probabilities are computed beside the block from its
+own ``q`` and ``k`` while the block runs timm's fused attention, so capture never changes
+the forward (:meth:`TimmViT.extract`).
 
 Positional embeddings are kept at the grid they were trained for (e.g. 37 x 37 for DINOv2)
 and resampled once per input grid with ``F.interpolate(mode='bicubic',
@@ -315,7 +316,7 @@ class TimmViT(Backbone):
         self.num_prefix = int(model.num_prefix_tokens)
         self.num_registers = int(getattr(model, "num_reg_tokens", 0))
         self.cls_index = 0 if getattr(model, "cls_token", None) is not None else None
-        for blk in model.blocks:  # the plain path is the fused one
+        for blk in model.blocks:  # the only path: capture computes probabilities beside it
             blk.attn.fused_attn = True
 
     # ----------------------------------------------------------------------------------
@@ -473,13 +474,18 @@ class TimmViT(Backbone):
     ) -> AttentionRecord:
         """Run the blocks up to the last captured one and capture their attention.
 
-        Each captured block runs the manual attention path (``fused_attn = False``, the
-        others stay fused); a forward hook on its ``attn.attn_drop`` hands the
-        probabilities ``(B, H, N, N)`` to an :class:`~segment.core.reduce.AttentionReducer` as
-        soon as they exist, and a hook on ``attn.k_norm`` the keys ``(B, H, N, D)`` when
-        ``capture.keys``. Nothing after the last captured probabilities is run: neither
-        the rest of that block (``attn @ v``, the projection, the MLP) nor the blocks
-        after it (the hook ends the forward; a record holds attention and keys only).
+        Capture never changes the forward: every block runs timm's own fused attention
+        (``F.scaled_dot_product_attention``), captured or not, and a captured block's
+        probabilities ``(B, H, N, N)`` are computed beside it from its own ``q`` and ``k``
+        (forward hooks on ``attn.q_norm`` and ``attn.k_norm``) with the very operations of
+        timm's manual path (``softmax((q * scale) @ k^T)``), then handed to an
+        :class:`~segment.core.reduce.AttentionReducer`; the keys ``(B, H, N, D)`` go with
+        them when ``capture.keys``. So which layers are captured (one, or every layer for
+        rollout) never moves a float of any block's output, and the probabilities are
+        those the block's manual path would compute. Nothing after the last captured
+        probabilities is run: neither the rest of that block (its attention, the
+        projection, the MLP) nor the blocks after it (the hook ends the forward; a record
+        holds attention and keys only).
 
         Args:
             pixels: ``(B, 3, H, W)`` preprocessed images (H, W multiples of the patch size).
@@ -492,31 +498,38 @@ class TimmViT(Backbone):
         """
         grid = self._set_grid(pixels)
         reducer = AttentionReducer(capture, self.num_layers, self.layout(grid))
-        keys: dict[int, Tensor] = {}
+        queries: dict[int, Tensor] = {}
         handles = []
         blocks = self.model.blocks
 
         last = max(reducer.layers)
 
-        def on_attn(layer: int):
-            def hook(_mod: nn.Module, _inp: Any, out: Tensor) -> None:
-                reducer.update(layer, out, keys.pop(layer, None))
-                if layer == last:
-                    raise _Captured
+        def on_queries(layer: int):
+            def hook(_mod: nn.Module, _inp: Any, q: Tensor) -> None:
+                queries[layer] = q  # (B, H, N, D), after q_norm
             return hook
 
         def on_keys(layer: int):
-            def hook(_mod: nn.Module, _inp: Any, out: Tensor) -> None:
-                keys[layer] = out
+            def hook(_mod: nn.Module, _inp: Any, k: Tensor) -> None:
+                q = queries.pop(layer, None)
+                if q is None:
+                    raise RuntimeError(
+                        f"block {layer}: attn.k_norm ran before attn.q_norm; this timm"
+                        " version's Attention orders q and k differently from the one"
+                        " segment captures from (timm >= 1.0.15)"
+                    )
+                attn = blocks[layer].attn
+                probs = ((q * attn.scale) @ k.transpose(-2, -1)).softmax(dim=-1)  # (B, H, N, N)
+                reducer.update(layer, probs, k if capture.keys else None)
+                if layer == last:
+                    raise _Captured
             return hook
 
         try:
             for i in reducer.layers:
                 attn = blocks[i].attn
-                attn.fused_attn = False
-                handles.append(attn.attn_drop.register_forward_hook(on_attn(i)))
-                if capture.keys:
-                    handles.append(attn.k_norm.register_forward_hook(on_keys(i)))
+                handles.append(attn.q_norm.register_forward_hook(on_queries(i)))
+                handles.append(attn.k_norm.register_forward_hook(on_keys(i)))
             x = pixels.to(device=self.device, dtype=self.dtype)
             with torch.no_grad(), contextlib.suppress(_Captured):
                 self.model.forward_intermediates(
@@ -526,8 +539,6 @@ class TimmViT(Backbone):
         finally:
             for h in handles:
                 h.remove()
-            for blk in blocks:
-                blk.attn.fused_attn = True
         mean = torch.tensor(self.mean, device=x.device).view(1, 3, 1, 1)
         std = torch.tensor(self.std, device=x.device).view(1, 3, 1, 1)
         rgb = (x.float() * std + mean).clamp_(0, 1)  # the input as RGB in [0, 1]

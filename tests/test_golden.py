@@ -41,10 +41,11 @@ from conftest import assert_results_equal_files
 GOLDEN = Path(__file__).parent / "golden"
 EXAMPLES = Path(__file__).resolve().parents[1] / "datasets" / "examples"
 
-# keys whose values change from run to run (or clone to clone) by themselves
+# keys whose values change from run to run (or clone to clone) by themselves, and the
+# machine's own record (threads, cores): the outputs must not depend on them
 VOLATILE = {"started", "finished", "output", "timings", "seconds", "date_created",
             "images_per_s", "method_ms_per_image", "source_path", "source_mtime_ns",
-            "fingerprint", "root", "checkpoint", "input"}
+            "fingerprint", "root", "checkpoint", "input", "torch_threads", "cpu_count"}
 # files that record the invocation (paths, the command line), not the outputs
 SKIP_PARTS = {".hydra", "cli.log", "config.yaml"}
 
@@ -278,3 +279,31 @@ def test_summary_comparison_tolerates_rounding_not_changes():
     assert _mismatches({"a": {**same["a"], "escape": [0.2]}}, want, 2e-3)[0].startswith("/a/escape:")
     assert "keys" in _mismatches({"b": same["a"]}, want, 2e-3)[0]
     assert platform_key().count("-") >= 2 and "torch" in stack()
+
+
+@pytest.mark.shared
+@pytest.mark.slow
+def test_companion_methods_never_move_the_default(tmp_path, dinov2_weights, ecssd_dev):
+    """Capture never changes the forward: the default's per-image metric states and its row
+    are byte-identical whether it runs alone, beside rollout (every layer captured) or beside
+    the CLS rows (last layer and its keys), on the same machine."""
+    runs = {}
+    for label, methods in (("alone", "null"), ("rollout", "[rollout]"),
+                           ("cls", "[cls_keychain,cls_attention]")):
+        out = tmp_path / label
+        _cli("segment-eval", "dataset=folder", f"dataset.root={ecssd_dev}", f"output={out}",
+             f"model.checkpoint={dinov2_weights}", f"methods={methods}", "limit=12", "progress=false")
+        row = json.loads((out / "results.json").read_text())[0]
+        assert row["method"] == "cuts"
+        states = {}
+        for path in sorted(out.glob("cache/*/*.json")):
+            states[path.name] = json.loads(path.read_text())["methods"]
+        runs[label] = ({k: v for k, v in row.items() if k not in VOLATILE}, states)
+    (row, states) = runs["alone"]
+    assert len(states) == 12 and all(len(s) == 1 for s in states.values())
+    for label in ("rollout", "cls"):
+        other_row, other_states = runs[label]
+        assert other_row == row, label
+        for name, s in states.items():
+            (key, state), = s.items()  # the default's entry: the same key in every run
+            assert other_states[name][key] == state, (label, name)

@@ -86,8 +86,7 @@ def test_captured_probs_reproduce_fused_attention_output(kind, size):
         assert torch.allclose(probs.sum(-1), torch.ones(()), atol=1e-6)
         x, y = io[layer]
         assert torch.allclose(reproduce(model, probs, x, layer), y, atol=1e-5, rtol=1e-4), layer
-    # the manual path was only for capture: every block is fused again afterwards
-    assert all(blk.attn.fused_attn for blk in model.model.blocks)
+    assert all(blk.attn.fused_attn for blk in model.model.blocks)  # capture left them fused
 
 
 def test_fp32_capture_matches_fp32_fused_block():
@@ -98,38 +97,63 @@ def test_fp32_capture_matches_fp32_fused_block():
     assert torch.allclose(reproduce(model, rec.attn[1], x, 1), y, atol=1e-5, rtol=1e-4)
 
 
-def test_only_captured_blocks_unfused_and_nothing_after_the_last_probabilities_runs():
+def test_capture_never_changes_the_forward():
+    """Which layers are captured moves no float: the last layer's probabilities are bit for
+    bit the same captured alone, with every layer (rollout) or with keys, and every block
+    runs the fused path throughout (the manual path's attn_drop never fires)."""
+    model = tiny()
+    pixels = torch.randn(2, 3, 224, 224)
+    drops = [0]
+    hooks = [blk.attn.attn_drop.register_forward_hook(lambda *a: drops.__setitem__(0, drops[0] + 1))
+             for blk in model.model.blocks]
+    try:
+        alone = model.extract(pixels, Capture(layers=(-1,), heads="keep")).attn[1]
+        every = model.extract(pixels, Capture(layers=None, heads="keep"))
+        keyed = model.extract(pixels, Capture(layers=(0, 1), heads="keep", keys=True))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert drops[0] == 0  # no block left the fused path
+    assert torch.equal(every.attn[1], alone) and torch.equal(keyed.attn[1], alone)
+    assert torch.equal(every.attn[0], keyed.attn[0])
+    # the probabilities are those of timm's own manual path for the same block input
+    x, _ = attn_io(model, pixels)[1]
+    attn = model.model.blocks[1].attn
+    qkv = attn.qkv(x).reshape(2, x.shape[1], 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    manual = ((qkv[0] * attn.scale) @ qkv[1].transpose(-2, -1)).softmax(-1)
+    assert torch.allclose(alone, manual, atol=1e-6)
+
+
+def test_nothing_after_the_last_probabilities_runs():
     model = tiny()
     blocks = model.model.blocks
-    calls = {"drop1": 0, "block0": 0, "block1": 0, "proj1": 0, "mlp1": 0, "fused_during": None}
+    calls = {"k1": 0, "block0": 0, "block1": 0, "proj1": 0, "mlp1": 0}
 
     def count(key):
         return lambda *a: calls.__setitem__(key, calls[key] + 1)
 
     hooks = [
-        blocks[1].attn.attn_drop.register_forward_hook(count("drop1")),
+        blocks[1].attn.k_norm.register_forward_hook(count("k1")),
         blocks[0].register_forward_hook(count("block0")),
         blocks[1].register_forward_hook(count("block1")),
         blocks[1].attn.proj.register_forward_hook(count("proj1")),
         blocks[1].mlp.register_forward_hook(count("mlp1")),
-        blocks[0].attn.attn_drop.register_forward_hook(
-            lambda *a: calls.__setitem__("fused_during", (blocks[0].attn.fused_attn, blocks[1].attn.fused_attn))),
     ]
     try:
-        # layer 0 captured: block 0's attention output projection and MLP never run, nor block 1
+        # layer 0 captured: block 0's attention, projection and MLP never run, nor block 1
         rec = model.extract(torch.randn(1, 3, 224, 224), Capture(layers=(0,), heads="keep"))
-        assert calls == {"drop1": 0, "block0": 0, "block1": 0, "proj1": 0, "mlp1": 0,
-                         "fused_during": (False, True)}
+        assert calls == {"k1": 0, "block0": 0, "block1": 0, "proj1": 0, "mlp1": 0}
         assert rec.layers == (0,)
         # layers 0 and 1: block 0 runs whole, block 1 up to its probabilities
         rec = model.extract(torch.randn(1, 3, 224, 224), Capture(layers=(0, 1), heads="keep", keys=True))
-        assert calls["block0"] == 1 and calls["drop1"] == 1
+        assert calls["block0"] == 1 and calls["k1"] == 1
         assert calls["block1"] == calls["proj1"] == calls["mlp1"] == 0
         assert rec.layers == (0, 1) and set(rec.keys) == {0, 1}
-        # every block is fused again: the plain forward runs whole, without the manual path
-        assert all(blk.attn.fused_attn for blk in blocks)
+        # no hook is left behind: the plain forward runs whole
         model.forward_plain(torch.randn(1, 3, 224, 224))
-        assert calls["drop1"] == 1 and calls["block1"] == calls["mlp1"] == 1
+        assert calls["k1"] == 2 and calls["block1"] == calls["mlp1"] == 1
+        assert all(not blk.attn.q_norm._forward_hooks for blk in blocks)
+        assert not blocks[0].attn.k_norm._forward_hooks and len(blocks[1].attn.k_norm._forward_hooks) == 1
     finally:
         for h in hooks:
             h.remove()
