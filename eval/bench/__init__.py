@@ -10,6 +10,8 @@ same run; never timed tests).
     python -m segment.eval.bench eval      ...   (segment.eval.bench.evaluator)
     python -m segment.eval.bench diagnose  [--sizes 224] [--repeat 3] [--weights PATH]
     python -m segment.eval.bench gpu       [--quick] [--json PATH]   (segment.eval.bench.gpu: GPU self-check)
+    python -m segment.eval.bench cutcheck  [--data ecssd-dev] [--size 224] ...   (Krylov vs dense cuts, near-ties)
+    python -m segment.eval.bench envcheck  record DIR | compare DIR_A DIR_B   (segment.eval.bench.envcheck)
 
 ``markov``: TokenRank and ``|lambda_2|`` on real DINOv2 ViT-S/14 attention heads (the
 shared weights, or ``--weights``; synthetic attention-like chains otherwise) against dense
@@ -24,6 +26,9 @@ ratios); ``--eigen torch scipy`` times the default's cuts with each eigensolver
 ``tree``: the tree of escape cuts (:func:`segment.core.cuts.cut_tree`) per ``--min-tokens``
 floor against today's ``recursive_ncut`` and the forward, on ecssd-dev images: the cut alone
 and the whole region stage with the pixel stage run on the leaves (segment.eval.bench.tree).
+``envcheck``: the default's label maps on every dev set recorded in one environment
+(threads, ATen's CPU kernels, dependency versions, torchrun) and compared with another's,
+each difference classified by cutcheck's near-tie rule (segment.eval.bench.envcheck).
 ``diagnose``: ``segment-diagnose``'s work per image (attention capture of every layer and
 head, then every measure of :mod:`segment.core.diagnostics`) against the bare forward of
 the same image, with the dense spectra, the exact TokenRank and the stable rank timed alone.

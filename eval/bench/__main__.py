@@ -50,6 +50,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from segment.eval.bench.cutcheck import main as run
 
         raise SystemExit(run(rest))  # 1 when a difference is not a near-tie
+    elif what == "envcheck":
+        from segment.eval.bench.envcheck import main as run
+
+        raise SystemExit(run(rest))  # 1 when a difference is neither a near-tie nor explained
     elif what == "cutmem":
         from segment.eval.bench.cutmem import main as run
 

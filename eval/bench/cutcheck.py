@@ -53,14 +53,19 @@ class Difference:
 
 
 def first_differences(affinity: Tensor, tau: float, eig_a: Callable[[Tensor], Tensor],
-                      eig_b: Callable[[Tensor], Tensor], tie: float = TIE) -> list[Difference]:
-    """The regions where two eigensolvers' recursive cuts of one chain first part.
+                      eig_b: Callable[[Tensor], Tensor], tie: float = TIE,
+                      affinity_b: Tensor | None = None) -> list[Difference]:
+    """The regions where two eigensolvers' recursive cuts of one chain first part (or,
+    with ``affinity_b``, where the cuts of two chains of the same image part: the same
+    image's ``W`` from two environments, ``bench envcheck``).
 
     Args:
         affinity: ``(n, n)`` one image's symmetric ``W``.
         tau: the cut threshold (the method's ``escape``).
         eig_a, eig_b: the two eigensolvers (``best_cuts``' ``eigvec``).
         tie: the near-tie tolerance on the NCut.
+        affinity_b: the second side's ``W`` (default: ``affinity``); ``ncut_b`` is then the
+            NCut of its best cut on it.
 
     Returns:
         One :class:`Difference` per region where the decisions part (the recursion does not
@@ -68,6 +73,7 @@ def first_differences(affinity: Tensor, tau: float, eig_a: Callable[[Tensor], Te
     """
     from segment.core.cuts import best_cuts
 
+    other = affinity if affinity_b is None else affinity_b
     out = []
     stack = [torch.arange(affinity.shape[0], device=affinity.device)]
     while stack:
@@ -77,7 +83,7 @@ def first_differences(affinity: Tensor, tau: float, eig_a: Callable[[Tensor], Te
         sub = affinity[idx[:, None], idx][None]
         size = torch.tensor([idx.numel()], device=affinity.device)
         na, sa = best_cuts(sub, size, eig_a)
-        nb, sb = best_cuts(sub, size, eig_b)
+        nb, sb = best_cuts(other[idx[:, None], idx][None], size, eig_b)
         na, nb, sa, sb = float(na[0]), float(nb[0]), sa[0], sb[0]
         ka, kb = na < tau, nb < tau
         same = torch.equal(sa, sb) or torch.equal(sa, ~sb)

@@ -639,7 +639,13 @@ def load(
             pretrained weights neither cached nor downloadable, naming ``checkpoint=PATH``
             and the cache folder).
         TypeError: ``method`` neither a config name nor a Method.
+        TorchPairError: (a ``RuntimeError``) torch and torchvision do not work together,
+            one line naming both and the install command
+            (:func:`segment.run.front.versions.check_torch_pair`).
     """
+    from segment.run.front.versions import check_torch_pair
+
+    check_torch_pair()
     cfg = compose_config(model, method, checkpoint=checkpoint, device=device, **overrides)
     return Segmenter.from_config(cfg, method=None if isinstance(method, str) else method)
 

@@ -38,6 +38,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from segment.run.front.compose import UsageError, compose, unset_dataset_settings
+from segment.run.front.versions import TorchPairError, check_torch_pair
 
 EXIT_FAILED = 1  # = segment.utils.EXIT_FAILED (not imported: that module loads torch)
 EXIT_BAD_INPUT = 2  # = segment.utils.EXIT_BAD_INPUT
@@ -258,6 +259,7 @@ def run_command(command: str, hydra_main: Callable[[], Any], argv: Sequence[str]
     flags = [a for a in args if a.startswith("-") and not a.startswith("~")]
     try:
         if not flags:  # --help, --cfg, -m ...: Hydra's own business
+            check_torch_pair()  # a broken pair fails late, inside the model: say it first
             cfg = compose(command, args)
             if cfg.get("output"):
                 plan = check_output(str(cfg.output))
@@ -266,7 +268,7 @@ def run_command(command: str, hydra_main: Callable[[], Any], argv: Sequence[str]
                 if holder is not None:
                     raise FolderInUse(holder)
             check_paths(command, cfg)
-    except UsageError as e:
+    except (UsageError, TorchPairError) as e:
         print(f"{command}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except FolderInUse as e:
