@@ -16,8 +16,8 @@ Example::
     segment.show(res)                          # overlay as a PIL image
 
 ``load`` takes the config names of the command (``model=``, ``method=``) and the same
-keys as overrides: ``segment.load(image_size=448, steps=3)`` sets ``model.image_size`` and
-``method.steps``; a key that neither config has is refused with a suggestion.
+keys as overrides: ``segment.load(image_size=448, escape=0.4)`` sets ``model.image_size`` and
+``method.escape``; a key that neither config has is refused with a suggestion.
 """
 
 from __future__ import annotations
@@ -628,7 +628,7 @@ def load(
             (``segment.create_method("cuts", escape=0.4)``), used as it is.
         checkpoint: local weights (``model.checkpoint``); ``None`` = the hub or its cache.
         device: ``auto``, ``cpu``, ``cuda``, ``cuda:N``.
-        **overrides: keys of the model or method config (``image_size=448``, ``steps=3``),
+        **overrides: keys of the model or method config (``image_size=448``, ``escape=0.4``),
             ``batch_size``, ``max_pixels``; dotted keys via ``**{"method.steps": 3}``. A
             method given built takes none (they are its fields).
 
