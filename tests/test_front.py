@@ -513,3 +513,29 @@ def test_cached_weights_load_without_the_hub(tmp_path, monkeypatch, dinov2_weigh
     assert constants.HF_HUB_OFFLINE is False  # restored after loading
     sd, want = got.model.state_dict(), ref.model.state_dict()
     assert sd.keys() == want.keys() and all(torch.equal(sd[k], want[k]) for k in sd)
+
+
+@pytest.mark.slow
+def test_command_line_habits(tmp_path):
+    """``segment PATH`` takes the one bare argument as ``input=``, a path with spaces
+    included; ``limit=N`` segments the first N images and says so; a setting written as an
+    option (``--input=...``, ``--batch_size 4``) or a second bare argument is one line naming
+    the ``KEY=VALUE`` to write, not Hydra's usage text."""
+    photos = _folder(tmp_path / "my photos", 3)
+    r = run("segment", str(photos), f"output={tmp_path / 'out'}", "limit=2", *TINY, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    man = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert Path(man["input"]) == photos and man["counts"]["segmented"] == 2
+    assert "limit=2: the first 2 of 3 images" in r.stdout + r.stderr
+    assert sorted(p.name for p in (tmp_path / "out" / "masks" / "images").iterdir()) == ["000.png", "001.png"]
+    line = _one_line_error(run("segment", f"--input={photos}", cwd=tmp_path), "settings are written")
+    assert line == (f"segment: unknown option '--input={photos}': settings are written without"
+                    f" dashes, as input={photos} (see segment --help)")
+    assert "as batch_size=4 " in _one_line_error(run("segment", "--batch_size", "4", cwd=tmp_path),
+                                                 "unknown option")
+    assert "give a folder as input=PATH" in _one_line_error(run("segment", "a", "b", cwd=tmp_path), "one input")
+    assert "input= both" in _one_line_error(run("segment", "a", "input=b", cwd=tmp_path), "both")
+    assert "dataset.root=x" in _one_line_error(run("segment-eval", "x", cwd=tmp_path), "unexpected argument")
+    assert "expected a whole number >= 1" in _one_line_error(run("segment", "limit=0", cwd=tmp_path), "limit=0")
+    r = run("segment", "photos/", "--cfg", "job", cwd=tmp_path)  # Hydra's options keep their values
+    assert r.returncode == 0 and "input: photos/" in r.stdout, r.stderr

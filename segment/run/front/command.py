@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -238,6 +239,70 @@ def cleanup(plan: Plan) -> None:
 # --------------------------------------------------------------------------- the command
 
 
+# the commands whose one bare argument is their input (``segment photos/``)
+TAKES_INPUT = ("segment", "segment-diagnose")
+# Hydra's own long options (``--help``, ``--cfg job``...); any other ``--key=value`` is a
+# setting written with dashes
+HYDRA_FLAGS = {"help", "hydra-help", "version", "cfg", "resolve", "package", "run", "multirun",
+               "shell-completion", "config-path", "config-name", "config-dir",
+               "experimental-rerun", "info"}
+
+# Hydra's options followed by their value (``--cfg job``): that value is not an input
+VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+               "--config-dir", "-cd", "--info", "-i", "--experimental-rerun"}
+
+
+def _quote(value: str) -> str:
+    """``value`` as a Hydra override value: bare when Hydra reads it back unchanged, else
+    single-quoted with ``\\`` and ``'`` escaped."""
+    if re.fullmatch(r"[\w./~@:+-]+", value) and not value[0].isdigit():
+        return value
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def positional_input(command: str, args: Sequence[str]) -> list[str]:
+    """``segment PATH [KEY=VALUE ...]``: one bare argument (no ``=``, no leading ``-``, ``+``
+    or ``~``) is the command's ``input=PATH``.
+
+    Raises:
+        UsageError: a bare argument where the command takes none, a second one, or one
+            beside ``input=``; each names ``input=PATH``.
+    """
+    bare = [a for i, a in enumerate(args) if "=" not in a and not a.startswith(("-", "+", "~"))
+            and not (i and args[i - 1] in VALUE_FLAGS)]
+    if not bare:
+        return list(args)
+    if command not in TAKES_INPUT:
+        raise UsageError(f"unexpected argument {bare[0]!r}: settings are KEY=VALUE (e.g. "
+                         f"dataset.root={bare[0]}); see {command} --help")
+    if len(bare) > 1:
+        raise UsageError(f"one input at a time, got {len(bare)} ({', '.join(map(repr, bare[:3]))});"
+                         f" give a folder as input=PATH")
+    if any(a.split("=", 1)[0].lstrip("+") == "input" for a in args if "=" in a):
+        raise UsageError(f"{bare[0]!r} and input= both name the input; give one")
+    return [f"input={_quote(a)}" if a is bare[0] else a for a in args]
+
+
+def check_flags(command: str, args: Sequence[str]) -> None:
+    """Refuse a setting written as an option (``--input=photos/``, ``--batch_size 4``) with
+    the ``KEY=VALUE`` form it means, instead of Hydra's usage text.
+
+    Raises:
+        UsageError: naming the ``KEY=VALUE`` to write.
+    """
+    for i, a in enumerate(args):
+        if not a.startswith("--"):
+            continue
+        name, eq, value = a[2:].partition("=")
+        if name in HYDRA_FLAGS or not name:
+            continue
+        if not eq and i + 1 < len(args) and not args[i + 1].startswith("-") and "=" not in args[i + 1]:
+            value, eq = args[i + 1], "="
+        hint = f"{name.replace('-', '_')}={value}" if eq else f"{name.replace('-', '_')}=VALUE"
+        raise UsageError(f"unknown option {a!r}: settings are written without dashes, as {hint}"
+                         f" (see {command} --help)")
+
+
 def run_command(command: str, hydra_main: Callable[[], Any], argv: Sequence[str] | None = None,
                 in_use: Callable[[Path], str | None] | None = None) -> int:
     """Pre-check, run the ``@hydra.main`` function, map its outcome to an exit code.
@@ -256,6 +321,14 @@ def run_command(command: str, hydra_main: Callable[[], Any], argv: Sequence[str]
     """
     args = list(sys.argv[1:] if argv is None else argv)
     plan = Plan()
+    try:
+        check_flags(command, args)
+        args = positional_input(command, args)
+    except UsageError as e:
+        print(f"{command}: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if argv is None:
+        sys.argv[1:] = args  # @hydra.main reads sys.argv: the rewritten input= with it
     flags = [a for a in args if a.startswith("-") and not a.startswith("~")]
     try:
         if not flags:  # --help, --cfg, -m ...: Hydra's own business

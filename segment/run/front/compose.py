@@ -124,7 +124,7 @@ def value_problem(default: Any, value: Any) -> str | None:
 # run settings that are whole numbers with a lowest value (several default to null = auto,
 # which the type check above cannot see): command -> key -> lowest
 WHOLE_AT_LEAST = {
-    "segment": {"batch_size": 1, "num_workers": 0, "max_pixels": 1, "min_size": 0},
+    "segment": {"batch_size": 1, "num_workers": 0, "max_pixels": 1, "min_size": 0, "limit": 1},
     "segment-eval": {"batch_size": 1, "num_workers": 0, "limit": 1, "bootstrap": 0, "panels": 0},
 }
 # ... of which these also take null (a default of null, or null read as 0 by the run)

@@ -14,11 +14,12 @@ _HELP = {
     "segment": dict(
         what="segment every image of a folder: masks, heatmaps, overlays, region labels, COCO "
              "annotations and an index.html gallery (attention read as Markov chains)",
-        usage="segment [input=DIR|FILE] [output=DIR] [model=NAME] [method=NAME] [KEY=VALUE ...]",
+        usage="segment [PATH | input=DIR|FILE] [output=DIR] [model=NAME] [method=NAME] [KEY=VALUE ...]",
         examples=[
             ("segment output=results/ model.checkpoint=/path/dinov2_vits14.safetensors",
              "offline: local weights, the bundled example photos"),
-            ("segment input=photos/ output=results/", "weights from the Hugging Face hub (cached)"),
+            ("segment photos/ output=trial/ limit=10", "the hub's weights (cached); a bare path is input=;"
+             " limit=10: the first 10"),
             ("segment input=photos/ output=results/ model=dinov2_vitb14_reg4 device=cuda batch_size=32", ""),
             ("torchrun --nproc_per_node=4 -m segment input=photos/ output=results/",
              "several processes (GPUs: device=cuda; CPUs: gloo), one node or many"),
@@ -28,8 +29,8 @@ _HELP = {
             ("output=DIR", "the results folder; default: outputs/segment (a rerun resumes)"),
             ("model.checkpoint=PATH", "offline machines: local weights (.safetensors / torch state dict)"),
         ],
-        settings="device=auto|cpu|cuda  batch_size=8  overwrite=false  retry_skipped=false  num_workers\n"
-                 "  max_pixels  min_size  progress=true  label_upsampling=smooth|nearest\n"
+        settings="device=auto|cpu|cuda  batch_size=8  overwrite=false  retry_skipped=false  limit=N\n"
+                 "  num_workers  max_pixels  min_size  progress=true  label_upsampling=smooth|nearest\n"
                  "  render.{colormap,overlay_alpha,jpeg_quality,png_compression,thumb_size,fsync}",
     ),
     "segment-diagnose": dict(

@@ -186,6 +186,11 @@ class SegmentRun:
             log.info("ignored %s: %s", rel, why)
         if not state.files:
             return self._fail(no_images_message(listing))
+        limit = self.settings.limit
+        if limit is not None and limit < len(state.files):
+            log.info("limit=%d: the first %d of %d images (in the run's sorted order)", limit,
+                     limit, len(state.files))
+            state.files = state.files[:limit]
         ts = time.perf_counter()
         state.mine = shard.share(state.files, self.ctx)  # torchrun: every world_size-th image
         todo = plan.plan_items(state.mine, self.settings, state)

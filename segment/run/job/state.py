@@ -75,6 +75,7 @@ class RunSettings:
         max_pixels: refuse larger images (``None``: Pillow's limit).
         min_size: refuse images with a smaller side (``None``: one patch of the model).
         overwrite: redo images whose record is current.
+        limit: segment only the first ``limit`` images of the sorted listing (``None``: all).
         retry_skipped: read again the files an earlier run refused (unreadable, too large,
             too small; also with ``overwrite``).
         progress: a tqdm bar on stderr (rank 0 only).
@@ -90,6 +91,7 @@ class RunSettings:
     max_pixels: Any
     min_size: Any
     overwrite: bool
+    limit: int | None
     retry_skipped: bool
     progress: bool
     fingerprint: str
@@ -123,6 +125,7 @@ class RunSettings:
         return cls(
             out=out, opts=opts, batch_size=batch_size, num_workers=num_workers,
             max_pixels=cfg.get("max_pixels"), min_size=cfg.get("min_size"), overwrite=overwrite,
+            limit=None if cfg.get("limit") is None else int(cfg.limit),
             retry_skipped=retry or overwrite, progress=bool(cfg.get("progress", True)) and is_main,
             fingerprint=config_fingerprint(cfg), refusals=refusal_key(cfg),
             input_desc="bundled examples" if cfg.get("input") is None else str(cfg.input),
