@@ -25,6 +25,7 @@ or settings, 3 the output folder is in use (``segment``), 130 interrupted.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import re
@@ -241,15 +242,18 @@ def cleanup(plan: Plan) -> None:
 
 # the commands whose one bare argument is their input (``segment photos/``)
 TAKES_INPUT = ("segment", "segment-diagnose")
-# Hydra's own long options (``--help``, ``--cfg job``...); any other ``--key=value`` is a
-# setting written with dashes
-HYDRA_FLAGS = {"help", "hydra-help", "version", "cfg", "resolve", "package", "run", "multirun",
-               "shell-completion", "config-path", "config-name", "config-dir",
-               "experimental-rerun", "info"}
 
-# Hydra's options followed by their value (``--cfg job``): that value is not an input
-VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
-               "--config-dir", "-cd", "--info", "-i", "--experimental-rerun"}
+
+@functools.cache
+def hydra_options() -> tuple[frozenset[str], frozenset[str]]:
+    """Hydra's own options, read from the parser ``@hydra.main`` uses: every option string
+    (``--help``, ``-m``, ``--cfg``...), and those followed by a value (``--cfg job``: that
+    value is not an input). Any other ``--key=value`` is a setting written with dashes."""
+    from hydra._internal.utils import get_args_parser
+
+    actions = [a for a in get_args_parser()._actions if a.option_strings]
+    every = frozenset(s for a in actions for s in a.option_strings)
+    return every, frozenset(s for a in actions if a.nargs != 0 for s in a.option_strings)
 
 
 def _quote(value: str) -> str:
@@ -269,7 +273,7 @@ def positional_input(command: str, args: Sequence[str]) -> list[str]:
             beside ``input=``; each names ``input=PATH``.
     """
     bare = [a for i, a in enumerate(args) if "=" not in a and not a.startswith(("-", "+", "~"))
-            and not (i and args[i - 1] in VALUE_FLAGS)]
+            and not (i and args[i - 1] in hydra_options()[1])]
     if not bare:
         return list(args)
     if command not in TAKES_INPUT:
@@ -294,7 +298,7 @@ def check_flags(command: str, args: Sequence[str]) -> None:
         if not a.startswith("--"):
             continue
         name, eq, value = a[2:].partition("=")
-        if name in HYDRA_FLAGS or not name:
+        if f"--{name}" in hydra_options()[0] or not name:
             continue
         if not eq and i + 1 < len(args) and not args[i + 1].startswith("-") and "=" not in args[i + 1]:
             value, eq = args[i + 1], "="
@@ -324,15 +328,10 @@ def run_command(command: str, hydra_main: Callable[[], Any], argv: Sequence[str]
     try:
         check_flags(command, args)
         args = positional_input(command, args)
-    except UsageError as e:
-        print(f"{command}: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    if argv is None:
-        sys.argv[1:] = args  # @hydra.main reads sys.argv: the rewritten input= with it
-    flags = [a for a in args if a.startswith("-") and not a.startswith("~")]
-    try:
+        if argv is None:
+            sys.argv[1:] = args  # @hydra.main reads sys.argv: the rewritten input= with it
+        flags = [a for a in args if a.startswith("-") and not a.startswith("~")]
         if not flags:  # --help, --cfg, -m ...: Hydra's own business
-            check_torch_pair()  # a broken pair fails late, inside the model: say it first
             cfg = compose(command, args)
             if cfg.get("output"):
                 plan = check_output(str(cfg.output))
@@ -340,7 +339,8 @@ def run_command(command: str, hydra_main: Callable[[], Any], argv: Sequence[str]
                 holder = in_use(plan.output)  # before Hydra writes its files into the folder
                 if holder is not None:
                     raise FolderInUse(holder)
-            check_paths(command, cfg)
+            check_paths(command, cfg)  # without torch: a mistyped path fails at once
+            check_torch_pair()  # then torch: a broken pair fails late, inside the model
     except (UsageError, TorchPairError) as e:
         print(f"{command}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
