@@ -313,6 +313,37 @@ def to_rgb(im: Image.Image, notes: list[str] | None = None) -> Image.Image:
     return im.convert("RGB")
 
 
+def _over_limit(w: int, h: int, max_pixels: int | None) -> str | None:
+    """Why a ``w x h`` image is refused for its pixel count (above ``max_pixels``, or
+    Pillow's ``Image.MAX_IMAGE_PIXELS`` when ``None``), or ``None``."""
+    limit = max_pixels if max_pixels is not None else Image.MAX_IMAGE_PIXELS
+    if limit is None or w * h <= limit:
+        return None
+    return (f"image is {w}x{h} = {w * h:,} pixels, above the limit of {int(limit):,} "
+            f"(decompression-bomb guard); if the file is trusted, raise the limit with max_pixels=N")
+
+
+def _bomb_reason(e: Exception) -> str:
+    """The reason for Pillow's own guard (more than twice ``Image.MAX_IMAGE_PIXELS``)."""
+    return f"too large to decode safely ({e}); if the file is trusted, raise the limit with max_pixels=N"
+
+
+def too_many_pixels(path: str | os.PathLike, *, max_pixels: int | None = None) -> str | None:
+    """Why ``path`` is refused for its pixel count, from its header alone (Pillow's
+    ``Image.open`` reads the size without decoding), with :func:`read_image`'s limit and
+    words; ``None`` when it is within the limit or Pillow cannot read the header (then
+    :func:`read_image` says what is wrong with the file). ``segment`` asks it of every
+    image to segment before the model loads."""
+    try:
+        with Image.open(path) as im:
+            w, h = im.size
+    except Image.DecompressionBombError as e:
+        return _bomb_reason(e)
+    except Exception:  # not an image, unreadable: read_image's reason, later
+        return None
+    return _over_limit(w, h, max_pixels)
+
+
 def read_image(path: str | os.PathLike, *, max_pixels: int | None = None) -> LoadedImage:
     """Read one image file as 8-bit RGB with its EXIF orientation applied.
 
@@ -332,18 +363,13 @@ def read_image(path: str | os.PathLike, *, max_pixels: int | None = None) -> Loa
         raise ImageReadError(path, f"cannot be read: {e.strerror or e}") from None
     if nbytes == 0:
         raise ImageReadError(path, "empty file (0 bytes)")
-    limit = max_pixels if max_pixels is not None else Image.MAX_IMAGE_PIXELS
     notes: list[str] = []
     try:
         with Image.open(path) as im:
             w, h = im.size
-            if limit is not None and w * h > limit:
-                raise ImageReadError(
-                    path,
-                    f"image is {w}x{h} = {w * h:,} pixels, above the limit of "
-                    f"{int(limit):,} (decompression-bomb guard); if the file is "
-                    f"trusted, raise the limit with max_pixels=N",
-                )
+            too_many = _over_limit(w, h, max_pixels)
+            if too_many is not None:
+                raise ImageReadError(path, too_many)
             if getattr(im, "n_frames", 1) > 1:
                 notes.append(f"{im.n_frames} frames; the first one is used")
             im.load()
@@ -362,9 +388,7 @@ def read_image(path: str | os.PathLike, *, max_pixels: int | None = None) -> Loa
     except UnidentifiedImageError:
         raise ImageReadError(path, "not a readable image (Pillow does not recognise the format)") from None
     except Image.DecompressionBombError as e:
-        raise ImageReadError(
-            path, f"too large to decode safely ({e}); if the file is trusted, raise the limit with max_pixels=N"
-        ) from None
+        raise ImageReadError(path, _bomb_reason(e)) from None
     except MemoryError:
         raise ImageReadError(path, "out of memory while decoding") from None
     except (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError) as e:

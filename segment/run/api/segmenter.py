@@ -9,9 +9,10 @@ Example::
 
     import segment
 
-    seg = segment.load()                       # DINOv2 ViT-S/14 + seed-and-grow regions
-    res = seg("photo.jpg")                     # or a PIL image, an HxWx3 uint8 array,
-                                               # a (3, H, W) float tensor in [0, 1], a list
+    seg = segment.load()                       # DINOv2 ViT-S/14 + escape cuts
+    res = seg("photo.jpg")                     # or a PIL image, a numpy array or torch
+                                               # tensor (uint8 or float in [0, 1], HxWx3 or
+                                               # 3xHxW: to_image), a list
     res.mask                                   # (H, W) bool, the image's own size
     segment.show(res)                          # overlay as a PIL image
 
@@ -351,41 +352,69 @@ def show(result: Result, image: ImageLike | None = None, alpha: float = 0.6) -> 
 # --------------------------------------------------------------------------- inputs
 
 
+ARRAY_RULE = ("a numpy array or torch tensor is uint8 in 0..255 or float in [0, 1]; 2-D is grey, "
+              "3-D is channels-first (3, H, W) or (1, H, W) when its first dim is 3 or 1 and its last "
+              "is not 3, else (H, W, 3), (H, W, 1) or (H, W, 4) RGBA")
+"""How :func:`to_image` reads an array or a tensor (the same rule for both)."""
+
+
 def to_image(x: ImageLike, *, max_pixels: int | None = None) -> Image.Image:
     """One input -> 8-bit RGB PIL image, as the command reads files.
 
     Accepts a path (read like the command reads it: EXIF orientation, any mode to RGB), a
-    PIL image (any mode; converted like a file), a uint8 array ``(H, W, 3)`` (RGB), ``(H, W)``
-    (grey) or ``(H, W, 4)`` (RGBA, composited on white as a transparent file is), or a
-    ``(3, H, W)`` float tensor in ``[0, 1]`` (rounded to 8 bit, as a saved image would be).
+    PIL image (any mode; converted like a file), or an array: a numpy array or torch tensor
+    is uint8 in 0..255 or float in [0, 1] (rounded to 8 bit, as a saved image would be),
+    and, 3-D, channels-first ``(3, H, W)`` / ``(1, H, W)`` when its first dim is 3 or 1 and
+    its last is not 3, else ``(H, W, 3)``, ``(H, W, 1)`` or ``(H, W, 4)`` (RGBA, composited
+    on white as a transparent file is); 2-D is grey.
 
     Raises:
-        ValueError: for anything else (says what came), or a tensor out of range.
+        ValueError: for anything else (names the shape and dtype that came), or a float
+            array out of ``[0, 1]`` (names the range found).
         ImageReadError: for a file that cannot be used (names the file).
     """
     if isinstance(x, (str, os.PathLike)):
         return read_image(x, max_pixels=max_pixels).image
     if isinstance(x, Image.Image):
         return to_rgb(x)
-    if isinstance(x, np.ndarray):
-        mode = {(2, None): "L", (3, 3): "RGB", (3, 4): "RGBA"}.get((x.ndim, x.shape[2] if x.ndim == 3 else None))
-        if mode is None or x.dtype != np.uint8:
-            raise ValueError(f"a numpy image must be uint8 (H, W, 3) RGB, (H, W) grey or (H, W, 4) RGBA, "
-                             f"got {x.shape} {x.dtype}")
-        im = Image.fromarray(np.ascontiguousarray(x), mode=mode)
-        return im if mode == "RGB" else to_rgb(im)
     if isinstance(x, Tensor):
-        if x.dim() != 3 or x.shape[0] != 3 or not x.is_floating_point():
-            raise ValueError(f"a tensor image must be (3, H, W) float in [0, 1], got "
-                             f"{tuple(x.shape)} {x.dtype}")
-        t = x.detach().float().cpu()
-        if not torch.isfinite(t).all() or t.min() < 0 or t.max() > 1:
-            raise ValueError(f"a tensor image must hold values in [0, 1], got "
-                             f"[{t.min().item():.3g}, {t.max().item():.3g}]")
-        a = (t * 255.0).round().to(torch.uint8).permute(1, 2, 0).contiguous().numpy()
-        return Image.fromarray(a, mode="RGB")
-    raise ValueError(f"cannot segment a {type(x).__name__}: pass a path, a PIL image, a uint8 array "
-                     "(H, W, 3), (H, W) or (H, W, 4), a (3, H, W) float tensor in [0, 1], or a list of these")
+        t = x.detach().cpu()
+        return _array_image((t.float() if t.is_floating_point() else t).numpy(), "tensor", x.dtype)
+    if isinstance(x, np.ndarray):
+        return _array_image(x, "numpy array", x.dtype)
+    raise ValueError(f"cannot segment a {type(x).__name__}: pass a path, a PIL image, a numpy array or "
+                     f"torch tensor, or a list of these ({ARRAY_RULE})")
+
+
+def _array_image(a: np.ndarray, kind: str, dtype: Any) -> Image.Image:
+    """A numpy array (a tensor's values) -> 8-bit RGB PIL image by :data:`ARRAY_RULE`;
+    ``kind`` and ``dtype`` (the tensor's own) name what came in an error."""
+    shape = tuple(a.shape)
+    if a.dtype != np.uint8 and a.dtype.kind != "f":
+        raise ValueError(f"a {kind} must be uint8 (0..255) or float ([0, 1]) to be an image, got {shape} {dtype}")
+    if a.ndim == 3 and a.shape[0] in (1, 3) and a.shape[-1] != 3:
+        a = a.transpose(1, 2, 0)  # channels-first
+    if a.ndim == 3 and a.shape[-1] == 1:
+        a = a[..., 0]
+    if not (a.ndim == 2 or (a.ndim == 3 and a.shape[-1] in (3, 4))) or 0 in a.shape:
+        raise ValueError(f"cannot read a {kind} of shape {shape} {dtype} as an image: {ARRAY_RULE}")
+    if a.dtype.kind == "f":
+        a = _float_to_uint8(a, kind)
+    mode = {2: "L", 3: "RGB", 4: "RGBA"}[a.shape[-1] if a.ndim == 3 else 2]
+    im = Image.fromarray(np.ascontiguousarray(a), mode=mode)
+    return im if mode == "RGB" else to_rgb(im)
+
+
+def _float_to_uint8(a: np.ndarray, kind: str) -> np.ndarray:
+    """Float values in ``[0, 1]`` -> uint8, ``round(255 x)`` in float32 (what a saved image holds)."""
+    a = a.astype(np.float32, copy=False)
+    if not np.isfinite(a).all():
+        raise ValueError(f"a float {kind} must hold values in [0, 1] to be an image, got NaN or infinity")
+    lo, hi = float(a.min()), float(a.max())
+    if lo < 0 or hi > 1:
+        hint = "; 0..255 values: pass them as uint8 or divide by 255" if 1 < hi <= 255 else ""
+        raise ValueError(f"a float {kind} must hold values in [0, 1] to be an image, got [{lo:.3g}, {hi:.3g}]{hint}")
+    return np.rint(a * np.float32(255.0)).astype(np.uint8)
 
 
 def _record_item(record: AttentionRecord, i: int) -> AttentionRecord:
@@ -574,9 +603,9 @@ class Segmenter:
         a folder, so results equal the command's files.
 
         Args:
-            images: a path, PIL image, uint8 array (``(H, W, 3)``, ``(H, W)`` or
-                ``(H, W, 4)``), ``(3, H, W)`` float tensor in ``[0, 1]`` (:func:`to_image`),
-                or a list/tuple of these.
+            images: a path, PIL image, numpy array or torch tensor (uint8 in 0..255 or
+                float in ``[0, 1]``, ``(H, W, 3)`` or ``(3, H, W)``, grey, RGBA:
+                :func:`to_image`), or a list/tuple of these.
             keep_record: attach each image's attention record to its result.
         """
         single = not isinstance(images, (list, tuple))

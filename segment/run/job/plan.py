@@ -4,14 +4,16 @@
 decides per image of this rank's share: resumed (its record is current,
 :func:`current_record`), skipped again (an earlier run refused the file, as unreadable, too
 large or too small, and neither the file nor the refusing settings changed since,
-:func:`known_unreadable`), or to segment (an :class:`Item` for the stage runner,
-:mod:`segment.run.job.stages`). The decisions go into the run's :class:`~segment.run.job.state.RunState`.
+:func:`known_unreadable`), refused from its header (more pixels than ``max_pixels``:
+:func:`refuse_too_large`, before the model loads), or to segment (an :class:`Item` for the
+stage runner, :mod:`segment.run.job.stages`). The decisions go into the run's :class:`~segment.run.job.state.RunState`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,13 +21,14 @@ from typing import Any
 from torch import Tensor
 
 from segment.run.dist import DistContext
-from segment.run.io import ImageFile, InputError, Listing, LoadedImage, find_images
+from segment.run.io import ImageFile, InputError, Listing, LoadedImage, find_images, too_many_pixels
 from segment.run.job.lock import OutputLock
 from segment.run.job.manifest import ImageStatus
 from segment.run.job.records import ImageRecord, load_record, record_is_current
 from segment.run.job.state import RunSettings, RunState, refusal_key
 
-__all__ = ["Item", "current_record", "known_unreadable", "list_input", "log_plan", "plan_items"]
+__all__ = ["Item", "current_record", "known_unreadable", "list_input", "log_plan", "plan_items",
+           "refuse_too_large"]
 
 log = logging.getLogger("segment.run.job.pipeline")  # the run's lines keep one logger name
 
@@ -71,9 +74,10 @@ def list_input(input_path: Path, out: Path, lock: OutputLock) -> Listing:
 def plan_items(files: list[ImageFile], settings: RunSettings, state: RunState) -> list[Item]:
     """The images of ``files`` to segment: not those with a current record (resume), nor the
     files an earlier run refused that are unchanged since (size and mtime, and the settings
-    that refused them: :func:`known_unreadable`; unless ``retry_skipped`` or ``overwrite``).
-    The others get their status (and a resumed image its record) in ``state``;
-    ``state.known_bad`` counts the refused ones skipped again."""
+    that refused them: :func:`known_unreadable`; unless ``retry_skipped`` or ``overwrite``),
+    nor those with more pixels than ``max_pixels`` (:func:`refuse_too_large`). The others get
+    their status (and a resumed image its record) in ``state``; ``state.known_bad`` counts
+    the refused ones skipped again, ``state.too_large`` those refused from their header."""
     todo = []
     bad = {} if settings.retry_skipped else known_unreadable(settings, state.input_root)
     for f in files:
@@ -97,7 +101,31 @@ def plan_items(files: list[ImageFile], settings: RunSettings, state: RunState) -
             state.known_bad += 1
             continue
         todo.append(item)
-    return todo
+    return refuse_too_large(todo, settings, state)
+
+
+def refuse_too_large(todo: list[Item], settings: RunSettings, state: RunState) -> list[Item]:
+    """The items of ``todo`` within ``max_pixels`` (Pillow's limit when ``None``), read from
+    each file's header alone (:func:`~segment.run.io.too_many_pixels`; a few threads, as the
+    files may be remote), so that a file too large is refused before the model loads. A
+    refused file is skipped as the loader skips an unreadable one: one line (``skipped PATH:
+    reason``), its status in ``state`` with its size and mtime (a rerun skips it again while
+    it and the refusing settings are unchanged), counted in ``state.too_large``."""
+    if not todo:
+        return todo
+    with ThreadPoolExecutor(min(8, len(todo)), thread_name_prefix="segment-header") as pool:
+        reasons = list(pool.map(lambda it: too_many_pixels(it.file.path, max_pixels=settings.max_pixels), todo))
+    keep = []
+    for item, reason in zip(todo, reasons):
+        if reason is None:
+            keep.append(item)
+            continue
+        f = item.file
+        state.statuses[f.name] = ImageStatus(f.name, f.rel, "skipped", reason, unreadable=True,
+                                             source_bytes=item.source_bytes, source_mtime_ns=item.source_mtime_ns)
+        state.too_large += 1
+        log.warning("skipped %s: %s", f.path, reason)
+    return keep
 
 
 def known_unreadable(settings: RunSettings, input_root: Path | None) -> dict[str, dict[str, Any]]:
@@ -130,9 +158,9 @@ def current_record(settings: RunSettings, f: ImageFile, size: int, mtime_ns: int
 def log_plan(state: RunState, settings: RunSettings, ctx: DistContext, input_path: Path, todo: list[Item]) -> None:
     """The plan's one line: how many images, how many already done, how many to segment."""
     n = len(state.files)
-    done_before = len(state.mine) - len(todo) - state.known_bad
+    done_before = len(state.mine) - len(todo) - state.known_bad - state.too_large
     log.info(
-        "%s%d image%s %s: %d already done%s, %d to segment%s -> %s",
+        "%s%d image%s %s: %d already done%s, %d to segment%s%s -> %s",
         f"rank {ctx.rank}/{ctx.world_size}: {len(state.mine)} of " if ctx.distributed else "",
         n, "" if n == 1 else "s",
         f"({input_path})" if input_path.is_file() else f"under {state.input_root}", done_before,
@@ -140,5 +168,6 @@ def log_plan(state: RunState, settings: RunSettings, ctx: DistContext, input_pat
         f", {state.known_bad} known-bad file{'' if state.known_bad == 1 else 's'} skipped again (unchanged "
         f"since run.json listed {'it' if state.known_bad == 1 else 'them'} as refused; retry_skipped=true reads "
         f"{'it' if state.known_bad == 1 else 'them'} again)" if state.known_bad else "",
+        f", {state.too_large} skipped as too large (over the pixel limit, max_pixels)" if state.too_large else "",
         settings.out,
     )

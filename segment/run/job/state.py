@@ -168,6 +168,8 @@ class RunState:
         records: per image name, its record (made now or by an earlier run).
         known_bad: refused files skipped again without reading (see
             :func:`segment.run.job.plan.plan_items`).
+        too_large: files refused from their header for more pixels than ``max_pixels``,
+            before the model loads (:func:`segment.run.job.plan.refuse_too_large`).
         timings: seconds per part of the run.
         device: the device the model runs on, once built.
         started: when the run started (UTC).
@@ -187,6 +189,7 @@ class RunState:
     statuses: dict[str, ImageStatus] = field(default_factory=dict)
     records: dict[str, ImageRecord] = field(default_factory=dict)
     known_bad: int = 0
+    too_large: int = 0
     timings: Timings = field(default_factory=Timings)
     device: torch.device | None = None
     started: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
