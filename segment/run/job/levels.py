@@ -11,6 +11,11 @@ At ``t = method.escape`` the labels are the default level's regions of the tree,
 ``labels/``: ``labels/`` splits each of them into its connected components (specks under
 ``min_area`` absorbed by a neighbour) and numbers the pieces anew, and the two maps are
 upsampled to the image separately (docs/segment.md, "Every level").
+
+A folder it creates gets a mark (``.segment-level.json``: the kind, ``t``, the run's
+fingerprint; :func:`segment.run.job.rerun.mark_level_folder`), so that a rerun of
+``segment`` with other settings removes it as stale; a folder that was there without the
+mark is written into but never marked (it may be the user's).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from tqdm import tqdm
 from segment.run.api.render import RenderOptions
 from segment.run.job.hierarchy_files import level_labels, level_mask, load_hierarchy
 from segment.run.job.records import OutputWriteError, encode_labels, encode_mask, write_file
+from segment.run.job.rerun import LEVEL_MARK, mark_level_folder
 
 __all__ = ["LevelRun", "check_threshold", "level_folder", "main", "run_images", "write_level"]
 
@@ -107,7 +113,7 @@ def write_level(run_dir: str | os.PathLike, t: float, *, progress: bool = True) 
     ``masks_t<t>/<name>.png`` (0/255 as ``masks/``:
     :func:`segment.run.job.hierarchy_files.mask_at`), each written atomically with the run's ``render``
     settings. An image whose file is missing or corrupt is skipped (with its reason) and the
-    rest go on.
+    rest go on. A folder it creates is marked as its own (module docstring).
 
     Raises:
         ValueError: not a finished run, no ``hierarchy/``, or ``t`` outside ``(0, 2]``.
@@ -121,6 +127,8 @@ def write_level(run_dir: str | os.PathLike, t: float, *, progress: bool = True) 
     except (TypeError, ValueError):
         opts = RenderOptions()
     out = LevelRun(root / level_folder("labels", t), root / level_folder("masks", t))
+    unmarked = [(k, d) for k, d in (("labels", out.labels_dir), ("masks", out.masks_dir))
+                if not d.exists() or (d / LEVEL_MARK).is_file()]  # ours to mark
     bar = tqdm(names, desc=f"level t={t:g}", unit="image", disable=not progress, file=sys.stderr)
     for name in bar:
         t0 = time.perf_counter()
@@ -136,6 +144,10 @@ def write_level(run_dir: str | os.PathLike, t: float, *, progress: bool = True) 
         labels = encode_labels(level_labels(tree, leaves, t), opts)
         mask = encode_mask(level_mask(tree, leaves, share, t), opts)
         try:
+            for kind, d in unmarked:  # before the first image's files
+                d.mkdir(parents=True, exist_ok=True)
+                mark_level_folder(d, kind=kind, t=t, fingerprint=man.get("fingerprint"))
+            unmarked = []
             write_file(out.labels_dir / f"{name}.png", labels, opts.fsync)
             write_file(out.masks_dir / f"{name}.png", mask, opts.fsync)
         except OSError as e:

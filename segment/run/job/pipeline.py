@@ -64,7 +64,7 @@ from PIL import Image
 
 from segment.methods.base import Method
 from segment.models.base import Backbone
-from segment.run.job import plan, shard, summary
+from segment.run.job import plan, rerun, shard, summary
 from segment.run.api.segmenter import Segmenter
 from segment.run.front.build import BuildError, build
 from segment.run.io import InputError, bundled_examples, no_images_message
@@ -181,6 +181,7 @@ class SegmentRun:
         except InputError as e:
             return self._fail(str(e))
         state.input_root, state.files, state.ignored = listing.root, listing.files, listing.ignored
+        state.previous = rerun.previous_run(out) if self.ctx.is_main else None
         state.timings.scan_s = time.perf_counter() - ts
         for rel, why in state.ignored:
             log.info("ignored %s: %s", rel, why)
@@ -195,6 +196,8 @@ class SegmentRun:
         state.mine = shard.share(state.files, self.ctx)  # torchrun: every world_size-th image
         todo = plan.plan_items(state.mine, self.settings, state)
         state.timings.plan_s = time.perf_counter() - ts
+        rerun.log_changes(state, self.settings, self.cfg, [it.file.name for it in todo],
+                          prefix=f"rank {self.ctx.rank}/{self.ctx.world_size}: " if self.ctx.distributed else "")
         plan.log_plan(state, self.settings, self.ctx, input_path, todo)
         if todo:
             ts = time.perf_counter()
@@ -209,6 +212,8 @@ class SegmentRun:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             return self._fail(f"cannot create the output folder {str(out)!r}: {e.strerror or e}")
+        if self.ctx.is_main:  # the checks passed: the level folders the change makes stale go
+            rerun.remove_stale(state, self.settings)
         state.writing = True
         if todo:
             ts = time.perf_counter()

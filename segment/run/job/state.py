@@ -22,7 +22,7 @@ from segment.run.api.render import RenderOptions
 from segment.run.job.manifest import ImageStatus
 from segment.run.job.records import ImageRecord
 
-__all__ = ["RunSettings", "RunState", "Timings", "config_fingerprint", "refusal_key"]
+__all__ = ["RunSettings", "RunState", "Timings", "config_fingerprint", "output_settings", "refusal_key"]
 
 
 def _clean(node: Any) -> Any:
@@ -48,17 +48,26 @@ def refusal_key(cfg: Any) -> str:
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def config_fingerprint(cfg: DictConfig) -> str:
-    """Hash of what decides an image's outputs: the model and method configs (``device``
-    left out), the rendering options and ``label_upsampling``. Records with another
-    fingerprint are redone."""
+def output_settings(cfg: Any) -> dict[str, Any]:
+    """What decides an image's outputs, as plain data: the model and method configs
+    (``device`` left out), the rendering options (``fsync`` left out) and
+    ``label_upsampling``; the other settings (``progress``, ``num_workers``, ``limit``,
+    ``output``...) decide none. ``cfg``: a composed ``segment`` config or run.json's
+    ``config``. :func:`config_fingerprint` hashes it; a rerun names what changed in it
+    (:func:`segment.run.job.rerun.setting_changes`)."""
     clean = _clean
-    blob = {
+    return {
         "model": clean(cfg.get("model")),
         "method": clean(cfg.get("method")),
         "render": {k: v for k, v in (clean(cfg.get("render")) or {}).items() if k != "fsync"},
         "label_upsampling": label_upsampling_setting(cfg.get("label_upsampling")),
     }
+
+
+def config_fingerprint(cfg: DictConfig) -> str:
+    """Hash of what decides an image's outputs (:func:`output_settings`). Records with
+    another fingerprint are redone."""
+    blob = output_settings(cfg)
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -180,6 +189,12 @@ class RunState:
         writing: the output folder is in use, so the run-level files are written.
         gallery: ``index.html``, once written.
         ranks: per-rank summaries (torchrun, rank 0).
+        previous: the run.json an earlier run left in the output folder (``None``: none).
+        changes: the output settings changed since ``previous``
+            (:func:`segment.run.job.rerun.setting_changes`).
+        stale_removed: the level folders this run removed as stale
+            (:func:`segment.run.job.rerun.remove_stale`).
+        stale_kept: the possibly stale level folders it kept (``{"folder", "reason"}``).
     """
 
     files: list[ImageFile] = field(default_factory=list)
@@ -200,6 +215,10 @@ class RunState:
     writing: bool = False
     gallery: Path | None = None
     ranks: list[dict[str, Any]] | None = None
+    previous: dict[str, Any] | None = None
+    changes: list[Any] = field(default_factory=list)
+    stale_removed: list[str] = field(default_factory=list)
+    stale_kept: list[dict[str, str]] = field(default_factory=list)
 
     def count(self, *status: str) -> int:
         """How many images have one of these statuses."""

@@ -167,6 +167,11 @@ def _manifest(state: RunState, settings: RunSettings, cfg: DictConfig, code: int
         "skipped": skipped,
         "ignored": ignored,
     }
+    if state.changes:  # a rerun with other output settings (segment.run.job.rerun)
+        manifest["settings_changed"] = [c.as_dict() for c in state.changes]
+    if state.stale_removed or state.stale_kept:
+        manifest["stale_removed"] = state.stale_removed
+        manifest["stale_kept"] = state.stale_kept
     if state.ranks is not None:  # torchrun: one entry per rank (counts, device, timings)
         manifest["world_size"] = len(state.ranks)
         manifest["ranks"] = state.ranks
