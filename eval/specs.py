@@ -85,11 +85,18 @@ def source_hash(modules: Sequence[str]) -> str:
     return h.hexdigest()[:12]
 
 
-# the Markov core every attention method runs on (regions imports it lazily) and the method
-# modules others build on (the interface, the stages of regions, cuts and kmeans)
-_METHOD_CORE = ("segment.core.markov", "segment.core.regions", "segment.core.clusters",
-                "segment.core.stages", "segment.methods.base", "segment.methods.attention",
-                "segment.methods.stages")
+def _method_core() -> tuple[str, ...]:
+    """Every module a method's numbers can depend on besides its own class's: all of
+    ``segment.core`` and ``segment.methods`` and the back-ends (eigensolvers, components):
+    a change to the cuts' eigensolver or to the Markov core is a new cache key."""
+    import pkgutil
+
+    import segment.core
+    import segment.methods
+
+    mods = [f"{pkg.__name__}.{m.name}" for pkg in (segment.core, segment.methods)
+            for m in pkgutil.iter_modules(pkg.__path__)]
+    return (*sorted(mods), "segment.backends")
 
 
 def method_key(spec: MethodSpec) -> str:
@@ -99,7 +106,7 @@ def method_key(spec: MethodSpec) -> str:
         raise ValueError(f"method {spec.label!r} is not instantiated")
     mods = [c.__module__ for c in type(spec.method).__mro__
             if c.__module__ not in ("builtins", "abc")]
-    return f"{config_hash(spec.cfg, drop=('name',))}-{source_hash([*mods, *_METHOD_CORE])}"
+    return f"{config_hash(spec.cfg, drop=('name',))}-{source_hash([*mods, *_method_core()])}"
 
 
 def compose_method(name: str) -> DictConfig:

@@ -90,7 +90,8 @@ def eigen_backend(device: torch.device | str) -> EigenBackend:
     return "krylov" if torch.device(device).type == "cpu" else "torch"
 
 
-def second_eigenvectors(sym: Tensor, backend: EigenBackend | None = None) -> Tensor:
+def second_eigenvectors(sym: Tensor, backend: EigenBackend | None = None,
+                        size: Tensor | None = None) -> Tensor:
     """The eigenvector of the second largest eigenvalue of each symmetric matrix.
 
     Args:
@@ -103,6 +104,11 @@ def second_eigenvectors(sym: Tensor, backend: EigenBackend | None = None) -> Ten
             ``None`` = :func:`eigen_backend` of ``sym.device``. The dense ones agree up to
             the sign and rounding, the Krylov one up to its tolerance
             (``tests/test_cuts.py``).
+        size: ``(R,)`` the real rows of each matrix, the rest padding that is decoupled
+            from them with a lower eigenvalue (:func:`segment.core.cuts.best_cuts`); SciPy
+            and the Krylov solver then work on the real rows only, so a matrix gets the
+            same vector whatever batch it shares (the vector is zero on the padding);
+            ``None``: every row is real.
 
     Returns:
         ``(R, m)`` unit vectors (sign arbitrary) on ``sym.device``, ``sym``'s dtype.
@@ -114,18 +120,21 @@ def second_eigenvectors(sym: Tensor, backend: EigenBackend | None = None) -> Ten
         raise ValueError(f"sym must be (R, m, m) with m >= 2, got {tuple(sym.shape)}")
     if backend == "krylov":
         if sym.shape[-1] > KRYLOV_DENSE_UP_TO:
-            return lanczos.second_eigenvectors(sym)
+            return lanczos.second_eigenvectors(sym, size=size)
         backend = "scipy" if sym.device.type == "cpu" else "torch"
     if backend == "torch":
         return cuts.second_eigenvectors(sym)
     import scipy.linalg
 
-    m = sym.shape[-1]
+    r, m, _ = sym.shape
     mats = sym.detach().cpu().numpy()
+    sizes = [m] * r if size is None else [int(k) for k in size.tolist()]
+    vecs = np.zeros((r, m), dtype=mats.dtype)
     with _blas_threads().limit(limits=1, user_api="blas"):
-        vecs = [scipy.linalg.eigh(a, subset_by_index=[m - 2, m - 2], driver="evr",
-                                 check_finite=False)[1][:, 0] for a in mats]
-    return torch.from_numpy(np.stack(vecs)).to(device=sym.device, dtype=sym.dtype)
+        for i, k in enumerate(sizes):
+            vecs[i, :k] = scipy.linalg.eigh(mats[i, :k, :k], subset_by_index=[k - 2, k - 2],
+                                            driver="evr", check_finite=False)[1][:, 0]
+    return torch.from_numpy(vecs).to(device=sym.device, dtype=sym.dtype)
 
 
 def memory_budget(device: torch.device | str) -> int:

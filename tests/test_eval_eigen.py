@@ -22,9 +22,9 @@ def _solvers(monkeypatch) -> list:
     seen: list = []
     real = backends.second_eigenvectors
 
-    def spy(sym, backend=None):
+    def spy(sym, backend=None, size=None):
         seen.append(backend)
-        return real(sym, backend=backend)
+        return real(sym, backend=backend, size=size)
 
     monkeypatch.setattr(backends, "second_eigenvectors", spy)
     return seen

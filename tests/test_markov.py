@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from segment.core import markov
+from segment.core.noise import Noise
 
 
 def clustered_attention(batch: int, n: int, *, clusters: int = 4, sharp: float = 6.0,
@@ -225,7 +226,7 @@ def test_orth_rows_one_row_is_unit_sum_zero_and_orthogonal_to_the_basis(case):
         z = torch.zeros(m, 1, n, dtype=torch.float64)
     elif case == "mixed":  # one row in the span, the others random
         z[1] = basis[1, :1] * 3 + 1e-14
-    out = markov._orth_rows(z, basis, g)
+    out = markov._orth_rows(z, basis, Noise(1))
     assert out.shape == (m, 1, n) and bool(torch.isfinite(out).all())
     torch.testing.assert_close(out.norm(dim=-1), torch.ones(m, 1, dtype=torch.float64))
     assert float(out.sum(-1).abs().max()) < 1e-12
@@ -537,3 +538,25 @@ def test_source_direction_refuses_tokens_nobody_attends_to():
         markov.bounce(a, 0, 2, direction="source")
     ok = markov.bounce(a, 0, 2, direction="source", alpha=0.9).last  # damping fixes it
     assert torch.isfinite(ok).all() and abs(float(ok.sum()) - 1) < 1e-12
+
+
+def test_noise_depends_on_coordinates_not_on_the_batch():
+    # a draw is the same for every batch row and its leading columns do not depend on the
+    # number asked for; successive draws differ; the values are standard normal
+    z = Noise(7).normal((3, 4, 500), dtype=torch.float64, device="cpu")
+    assert torch.equal(z[0], z[2])
+    assert torch.equal(Noise(7).normal((4, 200), dtype=torch.float64, device="cpu"), z[0, :, :200])
+    n = Noise(7)
+    first, second = (n.normal((4, 500), dtype=torch.float64, device="cpu") for _ in range(2))
+    assert not torch.equal(first, second)
+    big = Noise(3).normal((64, 4096), dtype=torch.float64, device="cpu").flatten()
+    assert abs(float(big.mean())) < 0.02 and abs(float(big.std()) - 1) < 0.02
+    assert abs(float((big[1:] * big[:-1]).mean())) < 0.02  # neighbours uncorrelated
+
+
+def test_lambda2_of_a_chain_does_not_depend_on_its_batch():
+    g = torch.Generator().manual_seed(2)
+    a = torch.softmax(torch.randn(5, 120, 120, generator=g, dtype=torch.float64) * 3, -1)
+    alone = markov.lambda2(a[3:4], method="krylov")
+    batched = markov.lambda2(a, method="krylov")
+    assert torch.equal(alone[0], batched[3])

@@ -23,12 +23,16 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from segment.core import cuts
 
 TIE = 0.01  # two NCuts closer than this are a near-tie (NCut lies in [0, 2], escape 0.5)
 
@@ -52,8 +56,8 @@ class Difference:
     near_tie: bool
 
 
-def first_differences(affinity: Tensor, tau: float, eig_a: Callable[[Tensor], Tensor],
-                      eig_b: Callable[[Tensor], Tensor], tie: float = TIE,
+def first_differences(affinity: Tensor, tau: float, eig_a: cuts.EigenSolver,
+                      eig_b: cuts.EigenSolver, tie: float = TIE,
                       affinity_b: Tensor | None = None) -> list[Difference]:
     """The regions where two eigensolvers' recursive cuts of one chain first part (or,
     with ``affinity_b``, where the cuts of two chains of the same image part: the same

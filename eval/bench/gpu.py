@@ -419,7 +419,8 @@ class SelfCheck:
                              self.device)
         differ = [i for i in range(w.shape[0]) if not torch.equal(part.labels[i].cpu(), part_ref.labels[i])]
         diffs = [d for i in differ for d in first_differences(
-            w[i], tau, dense, lambda s: lanczos.second_eigenvectors(s.to(self.device)).cpu())]
+            w[i], tau, dense, lambda s, size=None: lanczos.second_eigenvectors(
+                s.to(self.device), size=None if size is None else size.to(self.device)).cpu())]
         self.add("cuts", f"{model.name} cuts, Krylov on {self.device.type} vs dense on the CPU",
                  "differences not near-ties", sum(not d.near_tie for d in diffs), 0,
                  cpu_ms=t_cpu, device_ms=t_dev,

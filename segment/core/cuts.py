@@ -37,6 +37,7 @@ from segment.core import markov
 from segment.core.hierarchy import Hierarchy
 
 __all__ = [
+    "EigenSolver",
     "Partition",
     "best_cut",
     "best_cuts",
@@ -48,6 +49,11 @@ __all__ = [
     "reversibilise",
     "second_eigenvectors",
 ]
+
+EigenSolver = Callable[..., Tensor]
+"""``eigvec(sym, size=size) -> (R, m)``: the second largest eigenvector of each symmetric
+``(R, m, m)`` matrix whose leading ``size[r]`` rows are real (the rest padding, decoupled
+with a lower eigenvalue)."""
 
 
 def key_affinity(keys: Tensor, temperature: float = 0.2, center: bool = True) -> Tensor:
@@ -118,14 +124,16 @@ def escape_probabilities(affinity: Tensor, labels: Tensor, num: int | None = Non
     return ((vol - stay) / vol).to(torch.float32)
 
 
-def second_eigenvectors(sym: Tensor) -> Tensor:
+def second_eigenvectors(sym: Tensor, size: Tensor | None = None) -> Tensor:
     """``(R, m)`` the eigenvector of the second largest eigenvalue of each symmetric
-    ``(R, m, m)`` matrix (unit norm, sign arbitrary): one batched ``torch.linalg.eigh``."""
+    ``(R, m, m)`` matrix (unit norm, sign arbitrary): one batched ``torch.linalg.eigh``
+    of the padded matrices (``size``, the real rows, is not needed: the padding's
+    eigenvalue lies below the two largest)."""
     return torch.linalg.eigh(sym)[1][..., -2]
 
 
 def best_cuts(affinity: Tensor, size: Tensor,
-              eigvec: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
+              eigvec: EigenSolver | None = None) -> tuple[Tensor, Tensor]:
     """The best two-way normalized cut of each of a batch of chains along its second eigenvector.
 
     The relaxed NCut is solved by the second eigenvector of ``P = D^-1 W``, i.e.
@@ -143,8 +151,9 @@ def best_cuts(affinity: Tensor, size: Tensor,
     Args:
         affinity: ``(R, m, m)`` symmetric, non-negative, every real row sum > 0.
         size: ``(R,)`` the number of real tokens of each chain, ``2 <= size[r] <= m``.
-        eigvec: ``(R, m, m) float32 -> (R, m)`` the second largest eigenvector of each
-            symmetric matrix (:func:`segment.backends.second_eigenvectors` chooses a library
+        eigvec: ``eigvec(sym, size=size)``, ``(R, m, m) float32, (R,) -> (R, m)``: the
+            second largest eigenvector of each symmetric matrix whose leading ``size[r]``
+            rows are real (:func:`segment.backends.second_eigenvectors` chooses a library
             by device); ``None``: :func:`second_eigenvectors`.
 
     Returns:
@@ -163,7 +172,7 @@ def best_cuts(affinity: Tensor, size: Tensor,
     return _sweep_cuts(w, size, eigvec)
 
 
-def _sweep_cuts(w: Tensor, size: Tensor, eigvec: Callable[[Tensor], Tensor] | None
+def _sweep_cuts(w: Tensor, size: Tensor, eigvec: EigenSolver | None
                 ) -> tuple[Tensor, Tensor]:
     """:func:`best_cuts` of ``w``: ``(R, m, m)`` contiguous float64, zero outside each chain's
     leading ``size[r]`` block (what :func:`_cut_levels` builds); ``w`` is not changed.
@@ -181,7 +190,7 @@ def _sweep_cuts(w: Tensor, size: Tensor, eigvec: Callable[[Tensor], Tensor] | No
     sym = buf.mul_(s[:, None, :]).to(torch.float32)
     sym.diagonal(dim1=1, dim2=2).masked_fill_(~real, -2.0)  # padding: eigenvalue -2
     # the largest eigenvector is sqrt(d) / |sqrt(d)|; the second orders the tokens
-    u = (second_eigenvectors if eigvec is None else eigvec)(sym)
+    u = (second_eigenvectors if eigvec is None else eigvec)(sym, size=size)
     del sym
     v = torch.where(real, u.to(device=dev, dtype=torch.float64) * s, float("inf"))
     order = torch.argsort(v, dim=1)  # padding last
@@ -282,7 +291,7 @@ def _isolated(affinity: Tensor, image: int, tokens: Tensor) -> bool:
 
 
 def _cut_levels(affinity: Tensor, todo: list[_Open], bucket: int,
-                eigvec: Callable[[Tensor], Tensor] | None,
+                eigvec: EigenSolver | None,
                 select: Callable[[list[_Open]], list[_Open]],
                 settle: Callable[[_Open, float, Tensor], list[_Open]],
                 memory_limit: int | None = None) -> None:
@@ -332,7 +341,7 @@ def _check_affinity(affinity: Tensor) -> None:
 
 def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None = None,
                    bucket: int = 64,
-                   eigvec: Callable[[Tensor], Tensor] | None = None,
+                   eigvec: EigenSolver | None = None,
                    memory_limit: int | None = None) -> Partition:
     """Cut each image's chain in two while the best cut is crossed with probability < ``tau``.
 
@@ -412,7 +421,7 @@ def recursive_ncut(affinity: Tensor, tau: float = 0.3, max_regions: int | None =
 
 def cut_tree(affinity: Tensor, min_tokens: int = 24, tau: float | None = None,
              bucket: int = 64,
-             eigvec: Callable[[Tensor], Tensor] | None = None,
+             eigvec: EigenSolver | None = None,
              memory_limit: int | None = None) -> list[Hierarchy]:
     """The tree of the recursive cuts: every region cut along its best split, down to a floor.
 

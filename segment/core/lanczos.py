@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from segment.core.markov import row_times
+from segment.core.noise import Noise
 
 __all__ = ["KrylovInfo", "second_eigenvectors"]
 
@@ -84,6 +85,7 @@ def _orth(v: Tensor, basis: Tensor, fresh: Tensor) -> Tensor:
 def second_eigenvectors(
     sym: Tensor,
     *,
+    size: Tensor | None = None,
     tol: float = TOL,
     start: Tensor | None = None,
     steps: int = 16,
@@ -96,14 +98,22 @@ def second_eigenvectors(
 
     Args:
         sym: ``(R, m, m)`` symmetric float32 or float64 (computed in its dtype), ``m >= 2``.
+        size: ``(R,)`` the real rows of each matrix, the rest being padding decoupled from
+            them (what :func:`segment.core.cuts.best_cuts` builds); the iteration never
+            leaves the leading ``size[r]`` coordinates (the start and the fresh directions
+            are zero on the padding), so a matrix gets the same vector whatever it is padded
+            to, up to rounding. ``None``: every row is real.
         tol: stop a matrix when the residual ``|S y - theta y|`` of its unit second Ritz
             vector is at most this (the matrices of the cuts have spectra in ``[-2, 1]``, so
             it is relative to ``|S| <= 2``).
         start: ``(R, m)`` a start vector per matrix (e.g. the parent region's eigenvector
             restricted to the region; zeros are fine where nothing is known); ``None``: a
             random one (``seed``). A random perturbation of relative size ``1e-3`` is
-            added, so that a start orthogonal to an eigenvector does not miss it.
-        steps: the basis size of a cycle (at most ``m``).
+            added, so that a start orthogonal to an eigenvector does not miss it. The random
+            vectors depend on a coordinate's index only (:class:`segment.core.noise.Noise`),
+            not on the matrix's place in the batch.
+        steps: the basis size of a cycle (at most ``m``, and at most the smallest
+            ``size``: a matrix whose real rows the basis spans is solved exactly).
         keep: Ritz vectors kept at a restart, ``2 <= keep < steps``.
         max_cycles: restart cycles before giving up (the vector of the last cycle is
             returned, ``converged`` false).
@@ -126,18 +136,21 @@ def second_eigenvectors(
     dev = sym.device
     dt = sym.dtype if sym.dtype == torch.float64 else torch.float32
     mats = sym.to(dt)
-    d = min(int(steps), m)
+    real_rows = torch.full((r,), m, device=dev) if size is None else size.to(dev)
+    if real_rows.shape != (r,) or bool((real_rows < 2).any()) or bool((real_rows > m).any()):
+        raise ValueError(f"size must be (R,) = ({r},) with 2 <= size <= m = {m}")
+    d = min(int(steps), int(real_rows.min()))
     k = min(int(keep), d - 1)
-    gen = torch.Generator(device="cpu").manual_seed(int(seed))
-    noise = torch.randn(r, d + 1, m, generator=gen, dtype=dt).to(dev)  # start + fresh rows
+    real = (torch.arange(m, device=dev)[None, :] < real_rows[:, None]).to(dt)[:, None, :]
+    noise = Noise(seed).normal((r, d + 1, m), dtype=dt, device=dev) * real  # start + fresh
     if start is None:
         v0 = noise[:, :1]
     else:
         if start.shape != (r, m):
             raise ValueError(f"start must be (R, m) = {(r, m)}, got {tuple(start.shape)}")
-        s = start.to(device=dev, dtype=dt)[:, None, :]
+        s = start.to(device=dev, dtype=dt)[:, None, :] * real
         s = s / torch.linalg.vector_norm(s, dim=-1, keepdim=True).clamp_min(1e-30)
-        v0 = s + 1e-3 * noise[:, :1] / m ** 0.5
+        v0 = s + 1e-3 * noise[:, :1] / real_rows.to(dt).sqrt()[:, None, None]
     vec = torch.zeros(r, m, dtype=dt, device=dev)
     value = torch.zeros(r, dtype=torch.float64, device=dev)
     resid = torch.full((r,), float("inf"), dtype=torch.float64, device=dev)
@@ -166,8 +179,8 @@ def second_eigenvectors(
         ny = torch.linalg.vector_norm(y, dim=-1)[:, 0]
         res = torch.linalg.vector_norm(ry, dim=-1)[:, 0].double() / ny.double()
         done = res <= float(tol)
-        if d == m:  # the basis spans everything: the Ritz pairs are the eigenpairs
-            done = torch.ones_like(done)
+        # a basis that spans a matrix's real rows: its Ritz pairs are the eigenpairs
+        done = done | (real_rows[active] == d)
         vec[active] = (y[:, 0] / ny[:, None])
         value[active], resid[active], conv[active] = theta[:, 1], res, done
         if bool(done.all()) or cycle == max_cycles - 1:

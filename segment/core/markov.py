@@ -24,6 +24,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from segment.core.noise import Noise
+
 __all__ = [
     "BounceResult",
     "Lambda2Result",
@@ -769,7 +771,7 @@ def lambda2(
     return out if return_info else out.value
 
 
-def _orth_rows(z: Tensor, basis: Tensor | None, gen: torch.Generator) -> Tensor:
+def _orth_rows(z: Tensor, basis: Tensor | None, noise: Noise) -> Tensor:
     """Orthonormal, sum-zero rows spanning ``z`` (M, b, N) minus its part in ``basis``.
 
     Block Gram-Schmidt + QR (a normalisation for one row), repeated while a round still
@@ -777,7 +779,8 @@ def _orth_rows(z: Tensor, basis: Tensor | None, gen: torch.Generator) -> Tensor:
     DGKS criterion). A row that lies in the span of ``basis`` (an invariant subspace was
     reached) leaves only rounding noise after projection; QR turns it into some unit
     direction and the further rounds make it orthogonal, so the subspace still grows. Rows
-    still failing after a few rounds, and exact zeros, are replaced by random directions.
+    still failing after a few rounds, and exact zeros, are replaced by random directions
+    (``noise``: the same for every chain of the batch).
     """
 
     bt = basis.transpose(1, 2) if basis is not None else None
@@ -806,12 +809,12 @@ def _orth_rows(z: Tensor, basis: Tensor | None, gen: torch.Generator) -> Tensor:
         if rnd == 5 and not bool(ok.all()):  # give up on those rows: fresh directions
             p = p.clone()
             bad = ~ok
-            p[bad] = project(torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device))[bad]
+            p[bad] = project(noise.normal(p.shape, dtype=p.dtype, device=p.device))[bad]
             after = p.norm(dim=-1)
         if one:  # one row: QR is a normalisation (an exact zero: a fresh direction)
             zero = after <= torch.finfo(p.dtype).tiny
             if bool(zero.any()):
-                fresh = project(torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device))
+                fresh = project(noise.normal(p.shape, dtype=p.dtype, device=p.device))
                 p = torch.where(zero.unsqueeze(-1), fresh, p)
                 after = p.norm(dim=-1)
             z = p / after.unsqueeze(-1)
@@ -930,7 +933,7 @@ def _lambda2_krylov(
     d = s * b
     step = b * (2 // math.gcd(b, 2))  # whole blocks and an even count
     k = min(int(keep), d - b) // step * step
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    noise = Noise(seed)  # a chain's start does not depend on its place in the batch
 
     value = torch.zeros(m, dtype=torch.float64, device=dev)
     eig = torch.zeros(m, dtype=torch.complex128, device=dev)
@@ -942,13 +945,13 @@ def _lambda2_krylov(
     # the basis rows and their images live in two preallocated buffers (no concatenation)
     basis = torch.empty(m, d, n, dtype=dt, device=dev)
     images = torch.empty(m, d, n, dtype=dt, device=dev)
-    basis[:, :b] = _orth_rows(torch.randn(m, b, n, generator=gen, dtype=dt).to(dev), None, gen)
+    basis[:, :b] = _orth_rows(noise.normal((m, b, n), dtype=dt, device=dev), None, noise)
     filled = b  # a cycle starts with the images of rows [filled - b, filled) to compute
     mats = x  # the active chains (gathered once per cycle in which some converged)
     for cycle in range(max_cycles):
         images[:, filled - b:filled] = torch.bmm(basis[:, filled - b:filled], mats)
         for lo in range(filled, d, b):
-            basis[:, lo:lo + b] = _orth_rows(images[:, lo - b:lo], basis[:, :lo], gen)
+            basis[:, lo:lo + b] = _orth_rows(images[:, lo - b:lo], basis[:, :lo], noise)
             # assigned, not out=: bmm into a strided slice of images is 1.5x slower
             images[:, lo:lo + b] = torch.bmm(basis[:, lo:lo + b], mats)  # (Ma, b, N) @ (Ma, N, N)
         matvecs[active] += d - filled
@@ -967,7 +970,7 @@ def _lambda2_krylov(
             mats = mats.index_select(0, left)
             basis, images = basis.index_select(0, left), images.index_select(0, left)
             theta, vecs = theta.index_select(0, left), vecs.index_select(0, left)
-        f = _orth_rows(images[:, d - b:], basis, gen)  # the next Krylov block
+        f = _orth_rows(images[:, d - b:], basis, noise)  # the next Krylov block
         ut = _restart_coefficients(theta, vecs, k).transpose(1, 2).to(dt)  # (Ma, k, d)
         start, start_img = torch.bmm(ut, basis), torch.bmm(ut, images)
         q, rr = torch.linalg.qr(start.transpose(1, 2))  # re-orthonormalise (rounding)
