@@ -1,6 +1,6 @@
 """One method of two `segment-eval` runs, compared image by image with paired intervals.
 
-    python -m segment.eval.paired RUN_A RUN_B [--method NAME] [--method-b NAME] [--out DIR]
+    python -m segment.eval.paired RUN_A RUN_B [--method NAME] [--method-b NAME] [--out DIR] [--any-code]
 
 `segment-eval` pairs the methods of one run (one backbone pass, one input size). Two runs
 differ in what a run fixes: the input size (`model.image_size`), the backbone or its
@@ -11,7 +11,8 @@ those images together (``--reps`` draws, ``--seed``; the bootstrap of `segment-e
 the difference B - A gets a paired 95% interval. Both runs must score the same data set
 (the same task and image names) and their caches must hold the method's states under the
 code that runs this (the cache is keyed by the code's source: rerun `segment-eval` with
-the same ``output=`` to rescore after a change). The data set's files must be where the
+the same ``output=`` to rescore after a change; ``--any-code`` pairs what each run recorded
+under the code that made it: the before and after of a change). The data set's files must be where the
 run read them (its images are listed again, not read).
 
 Prints a Markdown table (rows A and B, B's paired difference to A); ``--out DIR`` writes
@@ -36,9 +37,20 @@ class PairError(ValueError):
     """A run that cannot be read, or two runs that do not pair."""
 
 
-def run_states(run: Path, method: str | None = None
+def _without_source(key: str) -> tuple[str, str]:
+    """A method's cache key without its source hash: ``(config hash, '#' suffix)``
+    (``CONFIG-SOURCE`` or ``CONFIG-SOURCE#part``)."""
+    config, _, rest = key.partition("-")
+    return config, rest.partition("#")[2]
+
+
+def run_states(run: Path, method: str | None = None, any_code: bool = False
                ) -> tuple[str, dict[str, State], SegmentationDataset]:
     """One method's per-image states of a finished `segment-eval` run.
+
+    ``any_code``: take the states the run recorded under whatever code made it (the
+    method's config the same, its source another: the before and after of a change),
+    where there is one such record per image and one metric cache in the run.
 
     Returns:
         ``(label, {image name: state} in the data set's order, the data set)``.
@@ -66,13 +78,20 @@ def run_states(run: Path, method: str | None = None
     dataset = instantiate_dataset(cfg)
     names = item_names(cfg, dataset)
     folder = cache_dir(run, cfg, dataset)
+    if any_code and not folder.is_dir():
+        found_dirs = sorted(p for p in (run / "cache").glob("*") if p.is_dir())
+        folder = found_dirs[0] if len(found_dirs) == 1 else folder
     if not folder.is_dir():
         raise PairError(f"{run}: no metric cache {folder.name} for this model and data set under this"
                         f" code; rerun segment-eval with output={run}")
     cache = MetricCache(folder)
     states: dict[str, State] = {}
     for name in names:
-        state = cache.load_entry(name).states.get(key)
+        recorded = cache.load_entry(name).states
+        state = recorded.get(key)
+        if state is None and any_code:
+            same = [v for k, v in recorded.items() if _without_source(k) == _without_source(key)]
+            state = same[0] if len(same) == 1 else None
         if state is not None:
             states[name] = state
     if len(states) < len(names):
@@ -83,13 +102,13 @@ def run_states(run: Path, method: str | None = None
 
 
 def compare(run_a: Path, run_b: Path, method_a: str | None = None, method_b: str | None = None,
-            reps: int = 1000, seed: int = 0):
+            reps: int = 1000, seed: int = 0, any_code: bool = False):
     """The two-row table (:class:`segment.eval.tables.Results`): A, then B with its paired
     difference to A (``delta``) and both rows' 95% intervals."""
     from segment.eval.tables import class_names_of, results_table
 
-    label_a, a, data_a = run_states(run_a, method_a)
-    label_b, b, data_b = run_states(run_b, method_b or method_a)
+    label_a, a, data_a = run_states(run_a, method_a, any_code)
+    label_b, b, data_b = run_states(run_b, method_b or method_a, any_code)
     if data_a.task != data_b.task:
         raise PairError(f"the runs score different tasks: {run_a} {data_a.task}, {run_b} {data_b.task}")
     if sorted(a) != sorted(b):
@@ -116,9 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=1000, help="bootstrap draws (default 1000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write results.{json,csv,md} here")
+    p.add_argument("--any-code", action="store_true",
+                   help="pair what each run recorded under the code that made it (a change's"
+                        " before and after: the same method config, another source)")
     args = p.parse_args(argv)
     try:
-        results = compare(args.run_a, args.run_b, args.method, args.method_b, args.reps, args.seed)
+        results = compare(args.run_a, args.run_b, args.method, args.method_b, args.reps, args.seed,
+                          args.any_code)
     except ValueError as e:  # PairError, and a config or data set that cannot be read
         print(f"segment.eval.paired: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -282,6 +282,12 @@ def test_segment_eval_ecssd_byte_identical_and_reference_rows(tmp_path, dinov2_w
     # are heatmaps thresholded at the mean, whose float noise moves a few border pixels
     # (Pillow 12.3 moved them by 0.05, hence pillow >= 13): 0.05 stays below one image's share
     _check("eval_ecssd", out, eval_summary(out), 0.05, (ecssd_dev,))
+    # the README's ecssd-dev headline row, its committed table, within the reproduce spread
+    from segment.eval import reproduce
+
+    row = next(r for r in reproduce.ROWS if r.name == "ecssd-dev")
+    committed = json.loads(row.table.with_suffix(".json").read_text())
+    assert reproduce.compare(committed, list(rows.values())) == []
 
 
 def test_summary_comparison_tolerates_rounding_not_changes():

@@ -78,3 +78,28 @@ def test_writes_the_tables(runs, tmp_path, capsys):
     assert capsys.readouterr().out == md
     rows = json.loads((out / "results.json").read_text())
     assert [r["method"] for r in rows] == ["A: rollout (run56)", "B: rollout (run84)"]
+
+
+def test_any_code_pairs_what_a_run_recorded_under_older_code(runs, tmp_path):
+    # a run whose cache was written by other code (its method keys' source half changed):
+    # refused as stale by default, paired with --any-code; two records of one config: refused
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(runs[56], old)
+    for path in old.glob("cache/*/*.json"):
+        data = json.loads(path.read_text())
+        data["methods"] = {k.rsplit("-", 1)[0] + "-0123456789ab": v for k, v in data["methods"].items()}
+        path.write_text(json.dumps(data))
+    with pytest.raises(PairError, match="under this code"):
+        compare(old, runs[84], reps=300)
+    got = compare(old, runs[84], reps=300, any_code=True).rows
+    want = compare(runs[56], runs[84], reps=300).rows
+    drop = lambda d: {k: v for k, v in d.items() if k != "vs"}  # noqa: E731 (vs names the folder)
+    assert drop(got[1]["delta"]) == drop(want[1]["delta"]) and got[0]["mIoU"] == want[0]["mIoU"]
+    for path in old.glob("cache/*/*.json"):  # a second record of the same config: ambiguous
+        data = json.loads(path.read_text())
+        data["methods"].update({k[:-12] + "ba9876543210": v for k, v in data["methods"].items()})
+        path.write_text(json.dumps(data))
+    with pytest.raises(PairError, match="under this code"):
+        compare(old, runs[84], reps=300, any_code=True)
