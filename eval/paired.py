@@ -44,6 +44,16 @@ def _without_source(key: str) -> tuple[str, str]:
     return config, rest.partition("#")[2]
 
 
+def _state_of(recorded: dict[str, State], key: str, any_code: bool) -> State | None:
+    """The state of ``key``, or with ``any_code`` the one state recorded for the same
+    config under another source (``None`` when there is none or more than one)."""
+    state = recorded.get(key)
+    if state is None and any_code:
+        same = [v for k, v in recorded.items() if _without_source(k) == _without_source(key)]
+        state = same[0] if len(same) == 1 else None
+    return state
+
+
 def run_states(run: Path, method: str | None = None, any_code: bool = False
                ) -> tuple[str, dict[str, State], SegmentationDataset]:
     """One method's per-image states of a finished `segment-eval` run.
@@ -87,11 +97,7 @@ def run_states(run: Path, method: str | None = None, any_code: bool = False
     cache = MetricCache(folder)
     states: dict[str, State] = {}
     for name in names:
-        recorded = cache.load_entry(name).states
-        state = recorded.get(key)
-        if state is None and any_code:
-            same = [v for k, v in recorded.items() if _without_source(k) == _without_source(key)]
-            state = same[0] if len(same) == 1 else None
+        state = _state_of(cache.load_entry(name).states, key, any_code)
         if state is not None:
             states[name] = state
     if len(states) < len(names):
