@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import sys
 import time
 from collections.abc import Callable
@@ -48,3 +49,23 @@ def example_image():
     from PIL import Image
 
     return Image.open(files("segment.datasets").joinpath("examples", "astronaut.png")).convert("RGB")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or ``platform.processor()``."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine(device: torch.device | str = "cpu") -> str:
+    """What gave a benchmark's numbers, for its header: the CPU (or GPU), ATen's CPU kernels
+    (``ATEN_CPU_CAPABILITY``, e.g. ``avx512``, ``avx2``, ``default``) and the torch threads."""
+    device = torch.device(device)
+    chip = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
+    return (f"{chip}, ATen CPU kernels {torch.backends.cpu.get_cpu_capability()}, "
+            f"{torch.get_num_threads()} torch threads")

@@ -58,7 +58,7 @@ def _files(root: Path) -> list[Path]:
 
 
 def _env() -> dict:
-    from segment.eval.bench.regions import cpu_model
+    from segment.eval.bench.common import cpu_model
     from segment.run.job.manifest import package_versions
 
     versions = package_versions(("torch", "torchvision", "timm", "numpy", "pillow", "scipy",

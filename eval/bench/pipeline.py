@@ -42,6 +42,7 @@ from omegaconf import OmegaConf
 
 from segment.methods.base import Method
 from segment.models.base import Backbone
+from segment.eval.bench.common import machine
 from segment.utils import atomic_write_json, torch_threads
 
 _DEFAULT_CKPT = "weights/dinov2_vits14.safetensors"
@@ -294,6 +295,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "weights": ckpt or "random (same compute)",
         "method": method.name,
         "device": str(device),
+        "machine": machine(device),
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "num_workers": cfg.get("num_workers"),
@@ -345,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     res = run_benchmark(args)
     print(f"segment pipeline benchmark: {res['images']} images ({', '.join(res['input_sizes'])} model input), "
-          f"{res['model']} [{res['weights']}], {res['method']}, {res['device']}, "
+          f"{res['model']} [{res['weights']}], {res['method']}, {res['device']} ({res['machine']}), "
           f"{res['torch_threads']} torch threads (OMP_WAIT_POLICY={res['omp_wait_policy'] or 'unset'}), "
           f"batch {res['batch_size']}")
     print(f"  bare fused forward : {res['bare_forward_median']:8.2f} img/s  (runs {res['bare_forward_img_s']})")

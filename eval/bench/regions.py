@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
 
 import torch
-from segment.eval.bench.common import best_time, example_image, find_weights
+from segment.eval.bench.common import best_time, example_image, find_weights, machine
 
 from segment.core.masks import MethodOutput
 from segment.core.record import AttentionRecord
@@ -76,8 +75,7 @@ def bench_regions(argv: Sequence[str]) -> None:
     eigens = (args.eigen or list(dict.fromkeys([dense, eigen_backend(device), "krylov"]))
               ) if cuts else ["-"]
     print(f"# region growing vs backbone forward: method {type(method).__name__}, device "
-          f"{device} ({cpu_model() if device.type == 'cpu' else torch.cuda.get_device_name(device)}),"
-          f" {torch.get_num_threads()} threads, batch {args.batch}, repeat {args.repeat},"
+          f"{device} ({machine(device)}), batch {args.batch}, repeat {args.repeat},"
           f" weights {weights or 'random init'}")
     print("| px | tokens | eigensolver | forward ms/img | extract ms/img | regions ms/img |"
           " regions / forward | of which pixel refinement ms/img |")
@@ -149,17 +147,6 @@ def growth(points: Sequence[tuple[int, float]]) -> float:
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     return (sum((x - mx) * (y - my) for x, y in zip(xs, ys))
             / sum((x - mx) ** 2 for x in xs))
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or ``platform.processor()``."""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":
