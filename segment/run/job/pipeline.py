@@ -181,7 +181,7 @@ class SegmentRun:
         except InputError as e:
             return self._fail(str(e))
         state.input_root, state.files, state.ignored = listing.root, listing.files, listing.ignored
-        state.previous = rerun.previous_run(out) if self.ctx.is_main else None
+        state.previous = rerun.previous_run(out)  # read once: the resume plan and the rerun's report
         state.timings.scan_s = time.perf_counter() - ts
         for rel, why in state.ignored:
             log.info("ignored %s: %s", rel, why)
@@ -196,8 +196,9 @@ class SegmentRun:
         state.mine = shard.share(state.files, self.ctx)  # torchrun: every world_size-th image
         todo = plan.plan_items(state.mine, self.settings, state)
         state.timings.plan_s = time.perf_counter() - ts
-        rerun.log_changes(state, self.settings, self.cfg, [it.file.name for it in todo],
-                          prefix=f"rank {self.ctx.rank}/{self.ctx.world_size}: " if self.ctx.distributed else "")
+        if self.ctx.is_main:
+            rerun.log_changes(state, self.settings, self.cfg, [it.file.name for it in todo],
+                              prefix=f"rank {self.ctx.rank}/{self.ctx.world_size}: " if self.ctx.distributed else "")
         plan.log_plan(state, self.settings, self.ctx, input_path, todo)
         if todo:
             ts = time.perf_counter()

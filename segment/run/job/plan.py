@@ -11,7 +11,6 @@ stage runner, :mod:`segment.run.job.stages`). The decisions go into the run's :c
 
 from __future__ import annotations
 
-import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -79,7 +78,7 @@ def plan_items(files: list[ImageFile], settings: RunSettings, state: RunState) -
     their status (and a resumed image its record) in ``state``; ``state.known_bad`` counts
     the refused ones skipped again, ``state.too_large`` those refused from their header."""
     todo = []
-    bad = {} if settings.retry_skipped else known_unreadable(settings, state.input_root)
+    bad = {} if settings.retry_skipped else known_unreadable(settings, state.input_root, state.previous)
     for f in files:
         try:
             st = f.path.stat()
@@ -128,19 +127,22 @@ def refuse_too_large(todo: list[Item], settings: RunSettings, state: RunState) -
     return keep
 
 
-def known_unreadable(settings: RunSettings, input_root: Path | None) -> dict[str, dict[str, Any]]:
-    """The files the last run.json of this output lists as refused (``unreadable``: not an
+def known_unreadable(settings: RunSettings, input_root: Path | None,
+                     previous: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """The files the last run.json of this output (``previous``: its contents,
+    :func:`segment.run.job.rerun.previous_run`) lists as refused (``unreadable``: not an
     image, corrupt, too large or too small; source -> status), when it read the same input
     with the same refusing settings (``max_pixels``, ``min_size`` and, without ``min_size``,
     the model, whose patch is the smallest image: :func:`~segment.run.job.state.refusal_key`)."""
+    if previous is None:
+        return {}
     try:
-        man = json.loads((settings.out / "run.json").read_text("utf-8"))
-        if man.get("input") != str(input_root):
+        if previous.get("input") != str(input_root):
             return {}
-        if refusal_key(man.get("config") or {}) != settings.refusals:
+        if refusal_key(previous.get("config") or {}) != settings.refusals:
             return {}
-        return {s["source"]: s for s in man.get("images", []) if s.get("unreadable")}
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return {s["source"]: s for s in previous.get("images", []) if s.get("unreadable")}
+    except (ValueError, TypeError, KeyError, AttributeError):
         return {}
 
 
