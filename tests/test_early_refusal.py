@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-import struct
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -19,19 +17,10 @@ import segment.run.job.pipeline as pipeline_mod
 import segment.run.job.stages as stages_mod
 from segment.run.io import ImageReadError, read_image, too_many_pixels
 from segment.run.job.pipeline import run_segment
+from test_io import png_header_only
 from test_pipeline import compose_cfg
 
 pytestmark = pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
-
-
-def _png_header_only(w: int, h: int) -> bytes:
-    """A PNG that claims ``w x h`` pixels but holds almost no data (a few hundred bytes)."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
-            + chunk(b"IEND", b""))
 
 
 def _photo(h: int, w: int, seed: int) -> Image.Image:
@@ -76,7 +65,7 @@ def test_the_header_gives_the_readers_refusal(tmp_path):
     for other in ("text.png", "empty.png", "gone.png"):  # the reader's reasons, later
         assert too_many_pixels(tmp_path / other, max_pixels=1) is None
     for side, words in ((10_000, "above the limit of"), (30_000, "too large to decode safely")):
-        (tmp_path / "bomb.png").write_bytes(_png_header_only(side, side))
+        (tmp_path / "bomb.png").write_bytes(png_header_only(side, side))
         t0 = time.perf_counter()
         why = too_many_pixels(tmp_path / "bomb.png")  # Pillow's limit (its guard above twice it)
         assert time.perf_counter() - t0 < 1.0 and words in why and why.endswith("max_pixels=N")
@@ -123,7 +112,7 @@ def test_only_too_large_images_load_no_model(tmp_path, monkeypatch, caplog):
     could be segmented (exit 1, run.json lists why)."""
     src, out = tmp_path / "in", tmp_path / "out"
     src.mkdir()
-    (src / "huge.png").write_bytes(_png_header_only(10_000, 10_000))
+    (src / "huge.png").write_bytes(png_header_only(10_000, 10_000))
     builds, reads = _watch(monkeypatch, caplog)
     caplog.set_level(logging.INFO)
     t0 = time.perf_counter()

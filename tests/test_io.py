@@ -256,7 +256,7 @@ def test_decompression_bomb_limits(tmp_path, monkeypatch):
         read_image(p)
 
 
-def _png_header_only(w: int, h: int) -> bytes:
+def png_header_only(w: int, h: int) -> bytes:
     """A PNG that claims ``w x h`` pixels but holds almost no data (a decompression bomb's header)."""
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
@@ -270,7 +270,7 @@ def _png_header_only(w: int, h: int) -> bytes:
 @pytest.mark.parametrize("side", [10_000, 30_000])  # above Pillow's limit, and above twice it
 def test_huge_image_refused_before_decoding(tmp_path, side):
     p = tmp_path / "bomb.png"
-    p.write_bytes(_png_header_only(side, side))
+    p.write_bytes(png_header_only(side, side))
     t0 = time.perf_counter()
     with pytest.raises(ImageReadError, match="max_pixels=N") as e:
         read_image(p)
